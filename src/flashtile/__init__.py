@@ -1,0 +1,7 @@
+"""flashtile: FlashAttention for PyTorch, written in Triton, with flash-attn's API."""
+
+__version__ = "0.1.0"
+
+from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+__all__ = ["__version__", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]

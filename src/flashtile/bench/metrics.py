@@ -1,0 +1,54 @@
+"""FLOP and byte counts for attention problems, by the FlashAttention papers' conventions.
+
+Forward FLOPs are 4·D per visible (query, key) pair and query head: QKᵀ and PV are two matmuls of 2 FLOPs per
+multiply-add, so an unmasked problem is 4·B·H·Sq·Sk·D. Masked pairs are not counted. Causal and sliding-window
+problems count exactly the pairs their mask keeps, bottom-right aligned as in flash-attn (query i sees key j
+iff i + Sk − Sq − left ≤ j ≤ i + Sk − Sq + right); for a square causal problem that is S(S+1)/2 pairs, 1/S more
+than the papers' S²/2 (0.2% at S = 512). Backward is 2.5× forward (five matmuls against forward's two), so
+forward+backward is 3.5×. Softmax, masking and softcap work is not counted, by the same convention. GQA does not
+change the count: every query head does its own matmuls.
+
+Decode is bound by memory, so it is measured in bytes: the K and V a kernel must read, Σ_b seqlen_k · Hk · D · 2
+tensors · element size. Q, the output and page tables are small next to them and not counted.
+
+What this module does not do: time anything or know about backends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile.bench.cases import DTYPES, Case
+
+BWD_FLOPS_FACTOR = 2.5
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1)) -> int:
+    """Number of (query, key) pairs the mask keeps, for one sequence and one head."""
+    left, right = window_size
+    if causal:
+        right = 0
+    diag = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)  # key aligned with each query row
+    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(diag)
+    hi = (diag + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(diag, seqlen_k - 1)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def forward_flops(case: Case) -> int:
+    """FLOPs of one forward pass; varlen sums over its sequences."""
+    if case.seqlens:
+        pairs = sum(visible_pairs(n, n, case.causal, case.window_size) for n in case.seqlens)
+    else:
+        pairs = case.batch * visible_pairs(case.seqlen_q, case.seqlen_k, case.causal, case.window_size)
+    return 4 * case.nheads * case.headdim * pairs
+
+
+def timed_flops(case: Case) -> float:
+    """FLOPs of the timed region: the forward, plus the backward in fwdbwd mode."""
+    return forward_flops(case) * (1 + BWD_FLOPS_FACTOR if case.mode == "fwdbwd" else 1)
+
+
+def kv_bytes(case: Case) -> int:
+    """Bytes of K and V a forward pass must read; the decode bandwidth numerator."""
+    kv_tokens = sum(case.seqlens) if case.seqlens else case.batch * case.seqlen_k
+    return kv_tokens * case.nheads_kv * case.headdim * 2 * DTYPES[case.dtype].itemsize

@@ -1,0 +1,89 @@
+"""Tile configurations: how each kernel is blocked, separate from what it computes.
+
+A config is (BLOCK_M, BLOCK_N, num_warps, num_stages). The table is keyed by (kernel, padded head dim, arch) and
+each entry says where its numbers came from. Configs do not depend on the mask, the dtype (fp16 and bf16 share
+tensor-core rates; fp32 inputs take the fp16 row's shape, Triton lowers their dots to tf32) or the sequence
+length, so one compiled kernel per feature combination serves every call.
+
+`FLASHTILE_AUTOTUNE=1` (env.py) replaces the table by timing `CANDIDATES` once per feature combination and head
+dim, cached on disk by Triton. Under the CPU interpreter the tiles are small so that the tiny test shapes still
+cross several block boundaries (32 x 16 is deliberately not square, which catches range code assuming M == N).
+"""
+
+from dataclasses import dataclass
+
+from . import env
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    source: str = ""
+
+    def kwargs(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+
+
+_H200 = "measured on H200, 2026-11-29, triton 3.6 (PERF.md)"
+_GUESS = "initial guess from the Triton tutorial on Hopper, not yet measured"
+
+# kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
+TABLE: dict[str, dict[int, TileConfig]] = {
+    "fwd": {
+        16: TileConfig(128, 128, 4, 3, _GUESS),
+        32: TileConfig(128, 128, 4, 3, _GUESS),
+        64: TileConfig(128, 128, 4, 3, _GUESS),
+        128: TileConfig(128, 128, 8, 2, _GUESS),
+        256: TileConfig(128, 64, 8, 2, _GUESS),
+    },
+    "bwd_dkdv": {
+        16: TileConfig(64, 128, 8, 2, _GUESS),
+        32: TileConfig(64, 128, 8, 2, _GUESS),
+        64: TileConfig(64, 128, 8, 2, _GUESS),
+        128: TileConfig(64, 128, 8, 2, _GUESS),
+        256: TileConfig(32, 64, 8, 2, _GUESS),
+    },
+    "bwd_dq": {
+        16: TileConfig(128, 64, 8, 2, _GUESS),
+        32: TileConfig(128, 64, 8, 2, _GUESS),
+        64: TileConfig(128, 64, 8, 2, _GUESS),
+        128: TileConfig(128, 64, 8, 2, _GUESS),
+        256: TileConfig(64, 32, 8, 2, _GUESS),
+    },
+}
+
+_INTERPRETER = {
+    "fwd": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
+    "bwd_dkdv": TileConfig(16, 32, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
+    "bwd_dq": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
+}
+
+# Autotuning search space (FLASHTILE_AUTOTUNE=1), per kernel.
+CANDIDATES: dict[str, list[TileConfig]] = {
+    "fwd": [TileConfig(m, n, w, s) for m, n, w, s in
+            [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3)]],
+    "bwd_dkdv": [TileConfig(m, n, w, s) for m, n, w, s in
+                 [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 4, 2)]],
+    "bwd_dq": [TileConfig(m, n, w, s) for m, n, w, s in
+               [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2)]],
+}
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim as the kernels tile it: a power of two, at least 16 (the smallest tl.dot K)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def tile_config(kernel: str, head_dim: int, arch: tuple[int, int] | None = None) -> TileConfig:
+    if env.INTERPRET:
+        return _INTERPRETER[kernel]
+    return TABLE[kernel][block_d(head_dim)]
+
+
+def production_configs() -> list[tuple[str, int, TileConfig]]:
+    """Every (kernel, padded head dim, config) a GPU run can launch; the CPU compile check builds all of them."""
+    rows = [(kernel, d, cfg) for kernel, by_d in TABLE.items() for d, cfg in by_d.items()]
+    return rows

@@ -1,0 +1,27 @@
+"""Every environment variable flashtile reads, read here and nowhere else.
+
+- ``FLASHTILE_AUTOTUNE=1``: autotune tile configs on first use of each problem class (results cached on disk by
+  Triton under ``TRITON_CACHE_DIR``) instead of taking them from the table in :mod:`flashtile.config`.
+- ``FLASHTILE_CHECK=1``: run the input checks that need a device-to-host copy (for example that ``cu_seqlens`` is
+  non-decreasing, or that block-table entries are in range). Off by default because such a copy synchronises the
+  device and breaks CUDA-graph capture.
+- ``TRITON_INTERPRET=1`` (Triton's own): kernels run on the CPU through Triton's interpreter. Read once, at
+  import, exactly as Triton reads it.
+"""
+
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+INTERPRET: bool = _flag("TRITON_INTERPRET")
+
+
+def autotune() -> bool:
+    return _flag("FLASHTILE_AUTOTUNE")
+
+
+def debug_checks() -> bool:
+    return _flag("FLASHTILE_CHECK")

@@ -1,0 +1,255 @@
+"""Backward by recomputation: P is rebuilt from the saved log-sum-exp, never stored.
+
+Three kernels, each its own parallelisation:
+  _bwd_preprocess_kernel  delta = rowsum(dO * O) per query row (fp32), one program per (query tile, head, seq).
+  _bwd_dkdv_kernel        one program per (key tile, KV head, seq). It holds K, V and the dK, dV accumulators on
+                          chip and walks the query tiles of every query head in its GQA group, so dK/dV are summed
+                          over the group in registers: no atomics, bitwise deterministic.
+  _bwd_dq_kernel          one program per (query tile, query head, seq), walking key tiles like the forward. dQ
+                          is recomputed here rather than accumulated with atomics from the dK/dV kernel: two
+                          extra matmuls per tile pair, but deterministic and free of an fp32 dQ buffer.
+
+Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse * log2(e):
+  P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
+  dK += dS^T Q;  dQ += dS K;  finally dK and dQ are scaled by softmax_scale.
+Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys past seqlen_k are zero rows
+(descriptor zero-fill) and are masked where they could reach a stored value. Does not do dropout.
+"""
+
+import triton
+import triton.language as tl
+
+from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
+from .seqlen import seq_info
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h * stride_oh,
+                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h * stride_doh,
+                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
+                                        block_shape=[BLOCK_M, BLOCK_D])
+    o = o_desc.load([m_start, 0]).to(tl.float32)
+    do = do_desc.load([m_start, 0]).to(tl.float32)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
+                    seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
+    offs_m = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        q = q_desc.load([start_m, 0])
+        do = do_desc.load([start_m, 0])
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        rows = start_m + offs_m
+        lse2 = tl.load(LSE_H + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA_H + rows, mask=rows < seqlen_q, other=0.0)
+        i = rows[None, :]
+        s2T, tT = logits(tl.dot(k, tl.trans(q)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False)
+        pT = tl.math.exp2(s2T - lse2[None, :])
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap2, softmax_scale, wl, wr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
+    k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
+    n_start = pid_n * BLOCK_N
+    if n_start >= seqlen_k:
+        return
+    b64 = b.to(tl.int64)
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk * stride_kh,
+                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk * stride_vh,
+                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D])
+    k = k_desc.load([n_start, 0])
+    v = v_desc.load([n_start, 0])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    diag = seqlen_k - seqlen_q
+    j = (n_start + tl.arange(0, BLOCK_N))[:, None]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
+                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h * stride_qh,
+                                           shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h * stride_doh,
+                                            shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
+                                            block_shape=[BLOCK_M, BLOCK_D])
+        LSE_H = LSE + b64 * stride_lb + h * stride_lh + q_start
+        DELTA_H = DELTA + b64 * stride_lb + h * stride_lh + q_start
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, False,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + k_start * stride_dkn + hk * stride_dkh,
+                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_dkn, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D])
+    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + k_start * stride_dvn + hk * stride_dvh,
+                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_dvn, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D])
+    dk_desc.store([n_start, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
+    dv_desc.store([n_start, 0], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
+                  seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        j = (start_n + offs_n)[None, :]
+        s2, t = logits(tl.dot(q, tl.trans(k)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+        p = tl.math.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap2, softmax_scale, wl, wr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // GROUP
+    q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
+    k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h * stride_qh,
+                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h * stride_doh,
+                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
+                                        block_shape=[BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk * stride_kh,
+                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk * stride_vh,
+                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D])
+    q = q_desc.load([m_start, 0])
+    do = do_desc.load([m_start, 0])
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seqlen_q
+    lse2 = tl.load(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
+    diag = seqlen_k - seqlen_q
+    i = offs_m[:, None]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, True,
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, False,
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, True,
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + q_start * stride_dqm + h * stride_dqh,
+                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_dqm, 1],
+                                        block_shape=[BLOCK_M, BLOCK_D])
+    dq_desc.store([m_start, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))

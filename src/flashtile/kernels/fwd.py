@@ -1,0 +1,128 @@
+"""Prefill forward: one program per (query tile, query head, sequence); K/V tiles stream through on-chip memory.
+
+Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits):
+  BLOCK_M    query rows per program; the Q tile is loaded once and stays on chip.
+  BLOCK_N    key rows per inner-loop step.
+  BLOCK_D    head dim rounded up to a power of two (>= 16); tensor descriptors zero-fill columns past HEAD_DIM,
+             so padded columns add nothing to either product.
+  acc, m_i, l_i   un-normalised output, running row max (log2 units), running row sum: the online softmax state.
+  GROUP      query heads per KV head (GQA/MQA); query head h reads KV head h // GROUP.
+  UPCAST     cast loaded tiles to fp32: only for bf16 under the CPU interpreter, which cannot compute on bf16.
+
+Writes O once and the log-sum-exp in natural-log units (B, H, Sq) or (H, total_q); never materialises the
+Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shapes (reads past them are zeros and
+writes are dropped) plus a key mask on the last key block. Does not do dropout or paged K/V.
+"""
+
+import triton
+import triton.language as tl
+
+from .masking import LN2, apply_mask, kv_block_range, logits
+from .seqlen import seq_info
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
+               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = k_desc.load([start_n, 0])
+        if UPCAST:
+            k = k.to(tl.float32)
+        j = (start_n + offs_n)[None, :]
+        s2, _ = logits(tl.dot(q, tl.trans(k)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        if MASKED:
+            # Note [fully masked rows]: a row that has seen only masked keys has max -inf; exp2(-inf - -inf) would
+            # be NaN. Any finite reference max is exact (it cancels in the final division), so use 0.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([start_n, 0])
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap2, wl, wr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
+    # let the short ones fill the tail of the wave.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // GROUP
+    q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
+    k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h * stride_qh,
+                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk * stride_kh,
+                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk * stride_vh,
+                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D])
+    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h * stride_oh,
+                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
+
+    diag = seqlen_k - seqlen_q
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    i = offs_m[:, None]
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h) * 1.4426950408889634
+
+    q = q_desc.load([m_start, 0])
+    if UPCAST:
+        q = q.to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    # Left edge of a sliding window, mask-free interior, then the diagonal / right edge / ragged last block.
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
+                               qk_scale, softcap2, slope2, BLOCK_N, True,
+                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
+                               qk_scale, softcap2, slope2, BLOCK_N, False,
+                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
+                               qk_scale, softcap2, slope2, BLOCK_N, True,
+                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+
+    # Rows that saw no key at all (l_i == 0) output 0 and get lse = +inf, flash-attn's convention, which makes the
+    # backward's recomputed probabilities exp(s - lse) exactly 0 for them.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_desc.store([m_start, 0], (acc / l_safe[:, None]).to(O.dtype.element_ty))
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)

@@ -1,0 +1,106 @@
+"""Backward launcher and the `flashtile::bwd` custom op: preprocess (delta), dK/dV, then dQ.
+
+Grids: preprocess and dQ are (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles,
+KV heads, sequences) and each program loops over its GQA group, so nothing is reduced across programs and the
+result is bitwise reproducible. Packed inputs get their gradients written into one buffer of the packed shape.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from ..config import tile_config
+from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from ..problem import kernel_flags
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, head_dims, launch_opts, prepare_launch,
+                     tma_ready, unpack)
+from .fwd import logit_scales, lse_strides
+
+
+def _grad_buffers(q, k, v, packing):
+    """Gradient outputs: the list the op returns, and the (dq, dk, dv) views the kernels write."""
+    if packing == PACK_QKV:
+        dqkv = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return [dqkv], unpack(dqkv, None, None, packing)
+    if packing == PACK_KV:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dkv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        return [dq, dkv], unpack(dq, dkv, None, packing)
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    return grads, tuple(grads)
+
+
+@torch.library.custom_op("flashtile::bwd", mutates_args=())
+def attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+    out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+    softcap: float, packing: int,
+) -> list[torch.Tensor]:
+    """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv]."""
+    grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
+    q, k, v = unpack(*(tma_ready(t) if t is not None else None for t in (q, k, v)), packing)
+    out = tma_ready(out)
+    varlen = cu_seqlens_q is not None
+    if seqused_q is not None:
+        dq.zero_()  # rows past seqused_q[b] are ignored by the forward; their gradient is 0
+    if seqused_k is not None:
+        dk.zero_()
+        dv.zero_()
+    if q.numel() == 0 or k.numel() == 0:
+        for g in grads:
+            g.zero_()
+        return grads
+    dout = tma_ready(dout)
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    seqlen_q = max_seqlen_q if varlen else q.shape[1]
+    seqlen_k = max_seqlen_k if varlen else k.shape[1]
+    qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
+    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
+                         seqused_q is not None, seqused_k is not None, q.dtype)
+    dims = head_dims(head_dim)
+    seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    prepare_launch(q)
+
+    delta = torch.empty_like(lse)
+    cfg = tile_config("fwd", head_dim)
+    _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
+        out, dout, delta, cu_seqlens_q, seqused_q,
+        *bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), seqlen_q,
+        **dims, BLOCK_M=cfg.block_m, IS_VARLEN=varlen, HAS_SEQUSED_Q=seqused_q is not None,
+    )
+    common = dict(GROUP=nheads // nheads_kv, **dims, **flags)
+    scalars = (seqlen_q, seqlen_k, qk_scale, softcap2, softmax_scale, window_left, window_right)
+    strides_qkv_do = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
+                      *bmh_strides(dout, varlen))
+    tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
+
+    cfg = tile_config("bwd_dkdv", head_dim)
+    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)](
+        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args,
+        *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail,
+        **common, **cfg.kwargs(), **launch_opts(cfg),
+    )
+    cfg = tile_config("bwd_dq", head_dim)
+    _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
+        q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args,
+        *strides_qkv_do, *bmh_strides(dq, varlen), *tail,
+        **common, **cfg.kwargs(), **launch_opts(cfg),
+    )
+    return grads
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q,
+      max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing):
+    if packing == PACK_QKV:
+        return [q.new_empty(q.shape)]
+    if packing == PACK_KV:
+        return [q.new_empty(q.shape), k.new_empty(k.shape)]
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]

@@ -1,0 +1,65 @@
+"""Launch plumbing shared by the attention ops: packed-input views, strides, the TMA scratch allocator."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import env
+from ..config import TileConfig, block_d
+
+_TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
+
+# Packing of the custom ops' (q, k, v) arguments, so that packed entry points get one gradient buffer.
+PACK_NONE, PACK_QKV, PACK_KV = 0, 1, 2
+
+
+def unpack(q, k, v, packing: int):
+    """Views of q, k, v from (q, k, v), (qkv, None, None) or (q, kv, None); packed dim is -3."""
+    if packing == PACK_QKV:
+        return q.select(-3, 0), q.select(-3, 1), q.select(-3, 2)
+    if packing == PACK_KV:
+        return q, k.select(-3, 0), k.select(-3, 1)
+    return q, k, v
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Return t, or a contiguous copy if its base or strides are not 16-byte aligned or are 0 (TMA requirements).
+
+    The copy keeps autograd intact; it only happens for unusual views (odd offsets or strides).
+    """
+    es = t.element_size()
+    aligned = t.data_ptr() % _TMA_ALIGN == 0 and all(
+        s > 0 and (s * es) % _TMA_ALIGN == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    return t if aligned else t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (B, S, H, D) tensor, or of a (total, H, D) one with batch stride 0."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def alibi_batch_stride(alibi_slopes) -> int:
+    """Slopes are (H,) or (B, H); a batch stride of 0 makes the first shape read like the second."""
+    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def prepare_launch(t: torch.Tensor) -> None:
+    """Kernels build TMA descriptors on the device, which needs a global scratch allocator. Triton keeps it in
+    a ContextVar, so set it on every launch: autograd runs the backward on its own thread."""
+    if not env.INTERPRET and t.is_cuda:
+        triton.set_allocator(_tma_scratch)
+
+
+def launch_opts(cfg: TileConfig) -> dict:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def head_dims(head_dim: int) -> dict:
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim)}

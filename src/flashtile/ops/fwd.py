@@ -1,0 +1,80 @@
+"""Forward launcher and the `flashtile::fwd` custom op (dense and varlen share it).
+
+Grid: (query tiles, query heads, sequences). The query-tile axis is the fastest-varying one so that programs
+running together read the same K/V head and share it through L2.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from ..config import tile_config
+from ..kernels.fwd import _attn_fwd_kernel
+from ..problem import kernel_flags
+from .common import (alibi_batch_stride, bmh_strides, head_dims, launch_opts, prepare_launch, tma_ready,
+                     unpack)
+
+
+def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap2) as the kernels take them; see masking.logits."""
+    log2e = 1.4426950408889634
+    if softcap > 0.0:
+        return softmax_scale / softcap, softcap * log2e
+    return softmax_scale * log2e, 0.0
+
+
+def lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+@torch.library.custom_op("flashtile::fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+    softcap: float, packing: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q)."""
+    q, k, v = unpack(*(tma_ready(t) if t is not None else None for t in (q, k, v)), packing)
+    varlen = cu_seqlens_q is not None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    if seqused_q is not None:
+        out.zero_()  # rows past seqused_q[b] are not computed; give them a defined value
+    if out.numel() == 0:
+        return out, lse
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    seqlen_q = max_seqlen_q if varlen else q.shape[1]
+    seqlen_k = max_seqlen_k if varlen else k.shape[1]
+    qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
+    cfg = tile_config("fwd", head_dim)
+    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
+                         seqused_q is not None, seqused_k is not None, q.dtype)
+    prepare_launch(q)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        *bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen), *bmh_strides(out, varlen),
+        *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
+        seqlen_q, seqlen_k, qk_scale, softcap2, window_left, window_right,
+        GROUP=nheads // nheads_kv, **head_dims(head_dim), **cfg.kwargs(), **flags, **launch_opts(cfg),
+    )
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, packing):
+    q, _, _ = unpack(q, k, v, packing)
+    varlen = cu_seqlens_q is not None
+    return (q.new_empty(q.shape), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))
+
