@@ -60,6 +60,8 @@ def kernel_flags(window_left: int, window_right: int, softcap: float, has_alibi:
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=has_alibi,
         UPCAST=env.INTERPRET and dtype == torch.bfloat16,
+        # fp32 inputs get fp32-accurate products (three tf32 passes), not Triton's default single tf32 pass.
+        DOT_PRECISION="tf32x3" if dtype == torch.float32 else "tf32",
     )
 
 

@@ -58,7 +58,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
                     seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -71,16 +72,17 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
         lse2 = tl.load(LSE_H + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
         delta = tl.load(DELTA_H + rows, mask=rows < seqlen_q, other=0.0)
         i = rows[None, :]
-        s2T, tT = logits(tl.dot(k, tl.trans(q)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s2T, tT = logits(qkT, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False)
         pT = tl.math.exp2(s2T - lse2[None, :])
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -99,7 +101,7 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -142,13 +144,13 @@ def _bwd_dkdv_kernel(
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
                                  seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
                                  seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, False,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
                                  seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + k_start * stride_dkn + hk * stride_dkh,
                                         shape=[seqlen_k, HEAD_DIM], strides=[stride_dkn, 1],
                                         block_shape=[BLOCK_N, BLOCK_D])
@@ -164,7 +166,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k = k_desc.load([start_n, 0])
@@ -173,15 +176,16 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         j = (start_n + offs_n)[None, :]
-        s2, t = logits(tl.dot(q, tl.trans(k)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s2, t = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
         p = tl.math.exp2(s2 - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -199,7 +203,7 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -242,13 +246,13 @@ def _bwd_dq_kernel(
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
                        qk_scale, softcap2, slope2, BLOCK_N, True,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
                        qk_scale, softcap2, slope2, BLOCK_N, False,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
                        qk_scale, softcap2, slope2, BLOCK_N, True,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + q_start * stride_dqm + h * stride_dqh,
                                         shape=[seqlen_q, HEAD_DIM], strides=[stride_dqm, 1],
                                         block_shape=[BLOCK_M, BLOCK_D])

@@ -17,7 +17,7 @@ writes are dropped) plus a key mask on the last key block. Does not do dropout o
 import triton
 import triton.language as tl
 
-from .masking import LN2, apply_mask, kv_block_range, logits
+from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
 from .seqlen import seq_info
 
 
@@ -26,14 +26,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k = k_desc.load([start_n, 0])
         if UPCAST:
             k = k.to(tl.float32)
         j = (start_n + offs_n)[None, :]
-        s2, _ = logits(tl.dot(q, tl.trans(k)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s2, _ = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
@@ -47,7 +49,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
         v = v_desc.load([start_n, 0])
         if UPCAST:
             v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -65,7 +67,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave.
@@ -97,7 +99,7 @@ def _attn_fwd_kernel(
     i = offs_m[:, None]
     slope2 = 0.0
     if HAS_ALIBI:
-        slope2 = tl.load(ALIBI + b * stride_ab + h) * 1.4426950408889634
+        slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
 
     q = q_desc.load([m_start, 0])
     if UPCAST:
@@ -111,13 +113,13 @@ def _attn_fwd_kernel(
     # Left edge of a sliding window, mask-free interior, then the diagonal / right edge / ragged last block.
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
                                qk_scale, softcap2, slope2, BLOCK_N, True,
-                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
                                qk_scale, softcap2, slope2, BLOCK_N, False,
-                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
                                qk_scale, softcap2, slope2, BLOCK_N, True,
-                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     # Rows that saw no key at all (l_i == 0) output 0 and get lse = +inf, flash-attn's convention, which makes the
     # backward's recomputed probabilities exp(s - lse) exactly 0 for them.

@@ -22,8 +22,8 @@ This file does not load or store anything; kernels own their memory traffic.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -107,18 +107,19 @@ def tanh(x):
 @triton.jit
 def logits(s, i, j, diag, qk_scale, softcap2, slope2,
            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Raw scores q.k -> logits in log2 units; also returns tanh(.) for the softcap backward (else None).
+    """Raw scores q.k -> (logits in log2 units, t). With softcap t = tanh(.) for the backward; else t is the
+    logits again (unused, and removed by the compiler: a jit function cannot return None in a tuple).
 
     Without softcap qk_scale = softmax_scale * log2(e). With softcap qk_scale = softmax_scale / softcap and
     softcap2 = softcap * log2(e), so logit = softcap * tanh(score * softmax_scale / softcap).
     ALiBi adds -slope * |i + diag - j| (slope2 = slope * log2(e)).
     """
-    t = None
     if HAS_SOFTCAP:
         t = tanh(s * qk_scale)
         s2 = t * softcap2
     else:
         s2 = s * qk_scale
+        t = s2
     if HAS_ALIBI:
         s2 = s2 - slope2 * tl.abs(i + diag - j).to(tl.float32)
     return s2, t

@@ -1,0 +1,151 @@
+"""What `flashtile bench` measures: the `Case` (one attention problem in one mode) and the presets that sweep them.
+
+A preset names the modes to run; the shapes come from a `Shapes` sweep per kind of problem (dense, decode,
+varlen), one case per point of the product of its axes. Axes left as None are derived the way the
+FlashAttention papers fix total work: batch = tokens // seqlen and heads = hidden // head dim. Command-line flags
+replace individual axes, so `--preset standard --head-dim 128` is the standard sweep at one head dim, and a
+fully specified custom case is just every axis set to one value.
+
+The GPU sweeps:
+- dense (modes fwd, fwdbwd): the papers' sweep. B·S = 16k tokens, hidden 2048, head dims 64/128/256,
+  S = 512…16k, causal and not.
+- decode: GQA 32 query / 8 KV heads, d128, one or four query tokens against KV caches of 4k…128k tokens with
+  batch × length = 256k tokens (64 × 4k … 2 × 128k), contiguous and paged (16, 64, 256 tokens a page).
+- varlen (forward): 16 sequences of 256…4096 tokens, 16k in total, d128, hidden 2048.
+Without a GPU the same kinds run at toy sizes through the Triton interpreter.
+
+What this module does not do: allocate tensors (inputs.py) or count FLOPs (metrics.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("fwd", "fwdbwd", "decode", "varlen")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRESET_MODES = {
+    "standard": ("fwd", "fwdbwd"),
+    "decode": ("decode",),
+    "varlen": ("varlen",),
+    "all": MODES,
+}
+
+# A fixed mix, so runs compare: lengths off the tile grid, long and short interleaved (as a packed batch is).
+VARLEN_MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1111, 333, 400, 547)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem in one mode. Layout (B, S, H, D); varlen packs its `seqlens` (q and k equal)."""
+
+    mode: str  # one of MODES; varlen and decode time the forward only
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    page_size: int = 0  # decode: tokens per KV page; 0 = contiguous cache
+    seqlens: tuple[int, ...] = ()  # varlen: per-sequence lengths
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
+        if self.nheads % self.nheads_kv:
+            raise ValueError(f"{self.nheads} query heads are not a multiple of {self.nheads_kv} KV heads")
+
+    def label(self) -> str:
+        if self.mode == "varlen":
+            n = self.seqlens
+            shape = f"{len(n)} seqs {min(n)}-{max(n)} ({sum(n)} tok)"
+        elif self.mode == "decode":
+            shape = f"b{self.batch} q{self.seqlen_q} kv{self.seqlen_k}"
+        else:
+            shape = f"b{self.batch} s{self.seqlen_q}" + (f"/{self.seqlen_k}" if self.seqlen_k != self.seqlen_q else "")
+        heads = f"h{self.nheads}" + (f"/{self.nheads_kv}" if self.nheads_kv != self.nheads else "")
+        parts = [shape, heads, f"d{self.headdim}", self.dtype]
+        if self.causal:
+            parts.append("causal")
+        if self.window_size != (-1, -1):
+            parts.append("window {},{}".format(*self.window_size))
+        if self.softcap:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.mode == "decode":
+            parts.append(f"page {self.page_size}" if self.page_size else "contiguous")
+        return " ".join(parts)
+
+    def fields(self) -> dict:
+        """Flat, JSON-ready description for report rows."""
+        d = dataclasses.asdict(self)
+        d["window_left"], d["window_right"] = d.pop("window_size")
+        d["seqlens"] = list(self.seqlens) or None
+        return d
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A sweep: one case per point of the product of the axes. None means derived (see the module note)."""
+
+    head_dim: tuple[int, ...]
+    seqlen_q: tuple[int, ...] = (1,)
+    seqlen_k: tuple[int, ...] | None = None  # None: seqlen_q
+    batch: tuple[int, ...] | None = None  # None: tokens // seqlen (seqlen_k in decode, whose tokens are KV tokens)
+    tokens: int = 16384
+    heads: tuple[int, ...] | None = None  # None: hidden // head_dim
+    hidden: int = 2048
+    kv_heads: tuple[int, ...] | None = None  # None: heads
+    causal: tuple[bool, ...] = (False, True)
+    page_size: tuple[int, ...] = (0,)  # decode only
+    seqlens: tuple[int, ...] = ()  # varlen only
+
+
+GPU_SHAPES = {
+    "dense": Shapes(head_dim=(64, 128, 256), seqlen_q=(512, 1024, 2048, 4096, 8192, 16384)),
+    "decode": Shapes(
+        head_dim=(128,), seqlen_q=(1, 4), seqlen_k=(4096, 8192, 16384, 32768, 65536, 131072), tokens=262144,
+        heads=(32,), kv_heads=(8,), causal=(True,), page_size=(0, 16, 64, 256),
+    ),
+    "varlen": Shapes(head_dim=(128,), seqlens=VARLEN_MIX),
+}
+# Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU.
+CPU_SHAPES = {
+    "dense": Shapes(head_dim=(64,), seqlen_q=(64, 128), batch=(1,), heads=(2,)),
+    "decode": Shapes(
+        head_dim=(64,), seqlen_k=(256,), batch=(2,), heads=(4,), kv_heads=(2,), causal=(True,), page_size=(0, 16)
+    ),
+    "varlen": Shapes(head_dim=(64,), seqlens=(64, 17, 113), heads=(2,)),
+}
+
+
+def kind(mode: str) -> str:
+    return mode if mode in ("decode", "varlen") else "dense"
+
+
+def build_cases(modes, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1), softcap=0.0) -> list[Case]:
+    """Every case of `modes`, in sweep order: mode, head dim, causal, (query length, page size), then the rest."""
+    cases = []
+    for mode in modes:
+        s = shapes[kind(mode)]
+        seqlens = s.seqlens if mode == "varlen" else ()
+        seqlen_q = (max(seqlens),) if seqlens else s.seqlen_q
+        pages = s.page_size if mode == "decode" else (0,)
+        axes = itertools.product(
+            s.head_dim, s.causal, seqlen_q, pages, s.seqlen_k or (None,), s.batch or (None,), s.heads or (None,),
+            s.kv_heads or (None,),
+        )
+        for d, causal, sq, page, sk, b, h, hk in axes:
+            sk = sq if seqlens or sk is None else sk
+            h = h or max(1, s.hidden // d)
+            b = len(seqlens) if seqlens else b or max(1, s.tokens // (sk if mode == "decode" else sq))
+            cases.append(Case(mode, b, sq, sk, h, hk or h, d, dtype, causal, tuple(window_size), softcap, page, seqlens))
+    return cases

@@ -1,0 +1,91 @@
+"""Input tensors for one case, shared by every backend so they all see the same numbers.
+
+Random normal values, never zeros: zero operands make every softmax row uniform, which hides masking and scaling
+errors from --refcheck, and draw less power, which flatters the clock. In flashtile's layout; each backend converts to its own layout in its setup, outside the timed region. Decode gets
+several copies of its KV cache, enough that together they exceed the L2 cache several times over: the timed
+call rotates through them, so back-to-back repetitions cannot find the cache they are about to read still in L2.
+
+What this module does not do: choose shapes (cases.py) or time anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashtile.bench.cases import DTYPES, Case
+from flashtile.bench.metrics import kv_bytes
+
+L2_MULTIPLE = 4  # decode KV copies together span this many L2 caches
+MAX_KV_COPIES = 16
+DEFAULT_L2_BYTES = 60 * 2**20  # the H100/H200 L2, for devices that do not report theirs
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor  # (B, Sq, H, D); varlen: (total, H, D)
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # (k, v), each (B, Sk, Hk, D) or (total, Hk, D); decode: copies
+    dout: torch.Tensor | None = None  # like q; fwdbwd only
+    cu_seqlens: torch.Tensor | None = None  # varlen: (n + 1,) int32, for q and k alike
+    cache_seqlens: torch.Tensor | None = None  # decode: (B,) int32
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[0][0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[0][1]
+
+
+def kv_copies(case: Case, device: torch.device) -> int:
+    """How many KV caches decode rotates through; 1 for other modes and off the GPU."""
+    if case.mode != "decode" or device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES
+    return max(1, min(MAX_KV_COPIES, math.ceil(L2_MULTIPLE * l2 / kv_bytes(case))))
+
+
+def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
+    gen = torch.Generator(device).manual_seed(seed)
+    dtype = DTYPES[case.dtype]
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    h, hk, d = case.nheads, case.nheads_kv, case.headdim
+    if case.mode == "varlen":
+        total = sum(case.seqlens)
+        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return Inputs(randn(total, h, d), [(randn(total, hk, d), randn(total, hk, d))], cu_seqlens=cu)
+    q = randn(case.batch, case.seqlen_q, h, d)
+    kv_shape = (case.batch, case.seqlen_k, hk, d)
+    kv = [(randn(*kv_shape), randn(*kv_shape)) for _ in range(kv_copies(case, device))]
+    dout = randn(*q.shape) if case.mode == "fwdbwd" else None
+    cache_seqlens = None
+    if case.mode == "decode":
+        cache_seqlens = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device=device)
+    return Inputs(q, kv, dout, cache_seqlens=cache_seqlens)
+
+
+def paginate(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int = 0):
+    """A contiguous cache (B, L, Hk, D) as pages (num_pages, page_size, Hk, D) and a block table (B, L/page) int32.
+
+    Pages are placed in a random order, so logically adjacent pages are not physically adjacent (as in a serving
+    cache). The tail of a partly filled last page is NaN: a kernel that reads past cache_seqlens fails --refcheck.
+    """
+    b, seqlen, hk, d = k.shape
+    per_seq = math.ceil(seqlen / page_size)
+    perm = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    block_table = perm.view(b, per_seq).to(torch.int32)
+
+    def to_pages(x):
+        padded = x.new_full((b, per_seq * page_size, hk, d), float("nan"))
+        padded[:, :seqlen] = x
+        pages = torch.empty_like(padded).view(b * per_seq, page_size, hk, d)
+        pages[perm] = padded.view(b * per_seq, page_size, hk, d)
+        return pages
+
+    return to_pages(k), to_pages(v), block_table

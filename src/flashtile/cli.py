@@ -1,0 +1,185 @@
+"""The `flashtile` command: `flashtile demo` and `flashtile bench` (also `python -m flashtile ...`).
+
+    flashtile demo                         # flashtile vs the fp64 reference, then timed
+    flashtile bench                        # the standard sweep, every backend (GPU)
+    flashtile bench --preset decode --refcheck --json out.json --plot out.png
+    flashtile bench --mode fwd,fwdbwd --batch 4 --seqlen 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal
+    flashtile bench --list-backends
+
+This module parses arguments, settles where the kernels run, and hands over to flashtile.bench. It imports no
+kernel code itself: see Note [interpreter switch].
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+# Note [interpreter switch]
+# Without a GPU, Triton kernels can only run through Triton's interpreter, chosen by TRITON_INTERPRET=1. Triton
+# reads it when a kernel is decorated, i.e. when flashtile's kernel modules are imported, and flashtile.env
+# captures it at import too. Both the `flashtile` script and `python -m flashtile` import the flashtile package,
+# and with it those modules, before this one runs; so when the variable has to be set here, the process is
+# started again with it set. Called as a function (`main([...])`) in a process that imported the kernels for
+# the GPU, it cannot restart its caller, and says so instead.
+_NOT_KERNELS = ("flashtile.cli", "flashtile.bench", "flashtile.__main__")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _interpret(argv) -> bool:
+    """Whether kernels run through the interpreter, setting it up (and restarting) when there is no GPU."""
+    if _truthy(os.environ.get("TRITON_INTERPRET")):
+        return True
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    if any(m.startswith("flashtile.") and not m.startswith(_NOT_KERNELS) for m in sys.modules):
+        if argv is not None:
+            raise SystemExit("flashtile: no CUDA GPU, and flashtile was imported without TRITON_INTERPRET=1; "
+                             "set it before importing flashtile")
+        os.execv(sys.executable, [sys.executable, "-m", "flashtile", *sys.argv[1:]])
+    return True
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _window(text: str) -> tuple[int, int]:
+    left, right = _ints(text)
+    return left, right
+
+
+def _words(text: str) -> list[str]:
+    return [w for w in text.split(",") if w]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from flashtile.bench.cases import DTYPES, MODES, PRESET_MODES
+
+    parser = argparse.ArgumentParser(prog="flashtile", description="flashtile: FlashAttention in Triton.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run flashtile once, check it against the fp64 reference, time it",
+                          description="Defaults: B=2 S=2048 H=16 D=128 bf16 causal on a GPU; "
+                                      "B=1 S=128 H=2 D=64 fp16 causal without one (Triton interpreter).")
+    demo.add_argument("--batch", type=int)
+    demo.add_argument("--seqlen", type=int)
+    demo.add_argument("--heads", type=int)
+    demo.add_argument("--head-dim", type=int)
+    demo.add_argument("--dtype", choices=DTYPES)
+    demo.add_argument("--causal", action=argparse.BooleanOptionalAction)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark flashtile against other attention backends",
+        description="Each preset runs its modes over the sweep in flashtile.bench.cases; the shape flags replace "
+                    "single axes of that sweep (comma lists allowed), so giving all of them defines a custom case.",
+    )
+    bench.add_argument("--preset", choices=PRESET_MODES,
+                       help="standard: fwd + fwdbwd (default on a GPU); decode; varlen; all (default without one)")
+    bench.add_argument("--mode", nargs="+", metavar="MODE", help=f"any of {', '.join(MODES)} (overrides the "
+                       "preset's modes; space- or comma-separated)")
+    bench.add_argument("--backends", type=_words, help="comma-separated names (see --list-backends)")
+    bench.add_argument("--list-backends", action="store_true", help="list the backends and exit")
+    shape = bench.add_argument_group("shape axes (each replaces the preset's)")
+    shape.add_argument("--batch", type=_ints, help="default: tokens // seqlen")
+    shape.add_argument("--tokens", type=int, help="tokens per batch when --batch is not given")
+    shape.add_argument("--seqlen-q", "--seqlen", type=_ints, dest="seqlen_q")
+    shape.add_argument("--seqlen-k", type=_ints, help="default: seqlen-q (decode: the KV cache length)")
+    shape.add_argument("--heads", type=_ints, help="default: hidden // head dim")
+    shape.add_argument("--hidden", type=int)
+    shape.add_argument("--kv-heads", type=_ints, dest="kv_heads", help="default: heads (GQA when fewer)")
+    shape.add_argument("--head-dim", type=_ints, dest="head_dim")
+    shape.add_argument("--seqlens", type=_ints, help="varlen: the per-sequence lengths")
+    shape.add_argument("--page-size", type=_ints, dest="page_size", help="decode: 0 = contiguous KV cache")
+    shape.add_argument("--causal", action=argparse.BooleanOptionalAction, help="default: both")
+    bench.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp16 without one")
+    bench.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R", help="sliding window; -1 = unbounded")
+    bench.add_argument("--softcap", type=float, default=0.0)
+    bench.add_argument("--refcheck", action="store_true", help="check every output against the fp64 reference first")
+    bench.add_argument("--rep-ms", type=int, default=100, help="GPU: milliseconds of repetitions per measurement")
+    bench.add_argument("--json", metavar="PATH")
+    bench.add_argument("--csv", metavar="PATH")
+    bench.add_argument("--plot", metavar="PATH", help="PNG of grouped bars (needs matplotlib)")
+    bench.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra environment fields for the records, e.g. git_sha=... where git is absent")
+    return parser
+
+
+def _shapes(args, gpu: bool):
+    from flashtile.bench.cases import CPU_SHAPES, GPU_SHAPES
+
+    axes = ("batch", "tokens", "seqlen_q", "seqlen_k", "heads", "hidden", "kv_heads", "head_dim", "seqlens",
+            "page_size")
+    overrides = {a: getattr(args, a) for a in axes if getattr(args, a) is not None}
+    if args.causal is not None:
+        overrides["causal"] = (args.causal,)
+    return {kind: dataclasses.replace(s, **overrides) for kind, s in (GPU_SHAPES if gpu else CPU_SHAPES).items()}
+
+
+def _bench(parser, args, device, interpreted: bool) -> int:
+    from flashtile.bench import plot, report
+    from flashtile.bench.backends import BACKENDS
+    from flashtile.bench.cases import MODES, PRESET_MODES, build_cases
+    from flashtile.bench.run import run
+
+    gpu = device.type == "cuda"
+    if args.list_backends:
+        for b in BACKENDS.values():
+            print(f"{b.name:16} {b.description}{'' if b.cpu else '  [CUDA only]'}")
+        return 0
+    modes = [m for word in args.mode for m in _words(word)] if args.mode else PRESET_MODES[
+        args.preset or ("standard" if gpu else "all")]
+    if bad := [m for m in modes if m not in MODES]:
+        parser.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
+    names = args.backends or [b.name for b in BACKENDS.values() if gpu or b.cpu]
+    if bad := [n for n in names if n not in BACKENDS]:
+        parser.error(f"unknown backend {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
+    meta = dict(kv.split("=", 1) for kv in args.meta if "=" in kv)
+    try:
+        cases = build_cases(modes, _shapes(args, gpu), args.dtype or ("bf16" if gpu else "fp16"), args.window,
+                            args.softcap)
+    except ValueError as e:
+        parser.error(str(e))
+
+    env = report.environment(device, interpreted, meta)
+    if interpreted:
+        print(report.CPU_NOTE, file=sys.stderr)
+    rows = run(cases, [BACKENDS[n] for n in names], device, args.refcheck, args.rep_ms)
+    print("\n" + report.headline(env))
+    if interpreted:
+        print(report.CPU_NOTE)
+    print(report.format_table(rows))
+    if args.json:
+        report.write_json(args.json, env, rows)
+    if args.csv:
+        report.write_csv(args.csv, env, rows)
+    if args.plot:
+        plot.plot(args.plot, env, rows)
+    # A failing flashtile row fails the command (useful in CI); other backends' failures are only reported.
+    failed = [r for r in rows if r["backend"].startswith("flashtile")
+              and (r["status"].startswith("error") or (r["refcheck"] or "").startswith("MISMATCH"))]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    interpreted = _interpret(argv)
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not interpreted else "cpu")
+    if args.command == "demo":
+        from flashtile.bench.demo import CPU_DEFAULTS, GPU_DEFAULTS, demo
+
+        settings = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+        given = {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
+        return demo(**(settings | given), device=device, interpreted=interpreted)
+    return _bench(parser, args, device, interpreted)

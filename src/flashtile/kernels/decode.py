@@ -1,0 +1,196 @@
+"""Split-KV decode (flash-decoding): attention of a few query tokens against a long, possibly paged, KV cache.
+
+One program per (M tile x KV split, KV head, sequence). Decode is bandwidth-bound, so the design is about reading
+every K/V row once and keeping enough programs in flight:
+  - GQA packing: the GROUP query heads that share KV head hk and the Sq query tokens are packed into the M
+    dimension of one tile (row m <-> token t = m // GROUP, query head h = hk * GROUP + m % GROUP), so each K/V tile
+    is loaded once per KV head rather than once per query head, and a single decode token still fills a
+    tensor-core tile (BLOCK_M >= 16).
+  - Split-KV: the visible key range of a sequence is cut into num_splits contiguous chunks, one program each, so
+    that batch x KV heads x splits keeps every SM streaming even for one long sequence. The chunks are derived on
+    the device from cache_seqlens; the host chooses num_splits from shapes only (no synchronisation). A program
+    writes a normalised partial (o, lse) state; combine.py merges them. With one split it writes the final output.
+
+Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py for r, capacity, (page, off)):
+  L          keys of sequence b: cache_seqlens[b] + S_new - leftpad[b]; logical key j is physical row
+             r = j + leftpad. Masks are aligned bottom-right to L (diag = L - Sq).
+  BLOCK_N    key rows per inner-loop step. Tiles are aligned on physical rows, so with page_size a multiple of
+             BLOCK_N a tile never straddles a page; the first tile of a left-padded sequence is masked.
+  BLOCK_T    an upper bound on the query tokens one M tile spans (for the key block range).
+  BLOCK_D    head dim rounded up to a power of two; columns past HEAD_DIM are masked on load and store (the cache
+             cannot be zero-padded, it is the caller's tensor).
+  acc, m_i, l_i   the online softmax state, as in fwd.py.
+  UPCAST     compute on fp32 copies of bf16 tiles: only under the CPU interpreter, which cannot compute on bf16.
+
+Flags that change the code: PAGED (row translation through the block table), HAS_BATCH_IDX, HAS_LEFTPAD,
+HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position cache_seqlens + t when
+the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST.
+Never reads a row outside [leftpad, cache_seqlens + S_new) of its sequence, nor a block-table entry for one.
+Does not write the cache (kvcache.py appends) and has no backward.
+"""
+
+import triton
+import triton.language as tl
+
+from .kvcache import cache_coords, rotary_load
+from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
+
+
+@triton.jit
+def _load_kv(ptrs, r, r_lo, r_hi, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) tile; in MASKED blocks rows outside [r_lo, r_hi) are not read and load as 0 (a 0 in V
+    times a probability of 0 stays 0, where a stray NaN would not)."""
+    if MASKED:
+        mask = ((r >= r_lo) & (r < r_hi))[:, None]
+        if HEAD_DIM < BLOCK_D:
+            mask = mask & (d < HEAD_DIM)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    if HEAD_DIM < BLOCK_D:
+        return tl.load(ptrs, mask=d < HEAD_DIM, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo, hi,
+                  r_lo, r_hi, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb, page_size,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                  PAGED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(lo, hi, BLOCK_N):
+        r = start + offs_n
+        if MASKED:
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size,
+                                     (r >= r_lo) & (r < r_hi), PAGED)
+        else:
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, None, PAGED)
+        k = _load_kv(K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d,
+                     r, r_lo, r_hi, d, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+        j = (r - r_lo)[None, :]  # logical key index
+        s2, _ = logits(tl.dot(q, tl.trans(k)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASKED:
+            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        if MASKED:
+            # Note [fully masked rows] in fwd.py.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d,
+                     r, r_lo, r_hi, d, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_btb, stride_ab, stride_cos,
+    seqlen_q, seqlen_new, page_size, rotary_dim, num_splits, num_m_tiles,
+    qk_scale, softcap2, wl, wr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
+    # M tiles of one split are neighbours in launch order, so they share the split's K/V through L2.
+    m_tile = tl.program_id(0) % num_m_tiles
+    split = tl.program_id(0) // num_m_tiles
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+
+    cache_b = b
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(CACHE_BATCH_IDX + b)
+    seqlen_cache = tl.load(CACHE_SEQLENS + b)
+    r_hi = seqlen_cache + seqlen_new  # one past the last physical row
+    r_lo = 0
+    if HAS_LEFTPAD:
+        r_lo = tl.load(LEFTPAD + b)
+    seqlen_k = r_hi - r_lo
+    diag = seqlen_k - seqlen_q
+
+    # Packed rows of this tile: token t, query head h.
+    m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m // GROUP
+    h = hk * GROUP + m % GROUP
+    row_ok = t < seqlen_q
+    i = t[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    q_mask = row_ok[:, None] & (d < HEAD_DIM)
+    q_ptrs = Q + b64 * stride_qb + (t * stride_qm + h * stride_qh)[:, None]
+    if HAS_ROTARY:
+        pos = seqlen_cache
+        if MASK_LEFT or MASK_RIGHT:
+            pos = seqlen_cache + i
+        q = rotary_load(q_ptrs, d, q_mask, pos, COS, SIN, stride_cos, rotary_dim, ROTARY_INTERLEAVED)
+        q = q.to(Q.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs + d, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = (tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0) * LOG2E)[:, None]
+
+    # Key blocks in physical rows: the window bounds (bottom-right aligned, so shifting keys and diag by leftpad
+    # changes nothing), then the left padding, whose first block is partial and so masked.
+    t_first = m_tile * BLOCK_M // GROUP
+    lo, full_lo, full_hi, hi = kv_block_range(t_first, seqlen_q, r_hi, wl, wr, BLOCK_T, BLOCK_N,
+                                              MASK_LEFT, MASK_RIGHT)
+    if HAS_LEFTPAD:
+        lo = tl.minimum(tl.maximum(lo, (r_lo // BLOCK_N) * BLOCK_N), hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, tl.cdiv(r_lo, BLOCK_N) * BLOCK_N), hi)
+        full_hi = tl.maximum(full_hi, full_lo)
+    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+    split_lo = lo + split * blocks_per_split * BLOCK_N
+    split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, hi)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # This split's share of: the masked left edge, the mask-free interior, the masked right edge.
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                  split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
+                                  qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
+                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
+                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                  tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
+                                  seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                                  stride_btb, page_size,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, MASK_LEFT, MASK_RIGHT,
+                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                  tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
+                                  qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
+                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
+                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+
+    # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state
+    # (o = 0, lse = +inf, flash-attn's convention for rows without keys, which combine.merge_states reads as empty).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_ptrs = O + split * stride_os + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + d
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=q_mask)
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok)

@@ -1,0 +1,235 @@
+"""Decode launchers and their custom ops: `flashtile::append_kv`, `flashtile::decode`, `flashtile::combine`.
+
+How each kernel is parallelised:
+  append_kv   grid (cdiv(S_new, BLOCK_T), Hk, B): each program copies BLOCK_T new rows of one KV head into the
+              cache (rotating k when asked). Mutates k_cache and v_cache, which the op declares.
+  decode      grid (num_m_tiles * num_splits, Hk, B): one program per packed query tile (GROUP heads x Sq tokens),
+              KV split, KV head and sequence; see kernels/decode.py. With num_splits > 1 it writes fp32 partial
+              states and `combine` folds them; with one split it writes the output directly.
+  combine     grid (cdiv(B * Sq * H, BLOCK_R),): each program merges all splits of BLOCK_R rows.
+
+Nothing here synchronises with the device: every launch decision (tile sizes, number of splits) comes from
+shapes, so a decode step can be captured in a CUDA graph. Argument checking happens at the public API
+(flashtile/kvcache.py); these ops trust their inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from .. import env
+from ..config import TileConfig, block_d
+from ..kernels.combine import _combine_kernel
+from ..kernels.decode import _decode_kernel
+from ..kernels.kvcache import _append_kv_kernel
+from ..problem import kernel_flags
+from .common import alibi_batch_stride, launch_opts
+from .fwd import logit_scales
+
+_GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
+
+# Padded head dim -> decode tile config. block_m is the most packed query rows (GQA group x tokens) per tile: a
+# decode step packs fewer, and the launcher shrinks BLOCK_M to the next power of two >= 16 of what it packs.
+# BLOCK_N x BLOCK_D x 2 bytes x (K + V) x num_stages stays near 100 KB so that two programs fit on one SM.
+DECODE_TABLE: dict[int, TileConfig] = {
+    16: TileConfig(64, 128, 4, 3, _GUESS),
+    32: TileConfig(64, 128, 4, 3, _GUESS),
+    64: TileConfig(64, 128, 4, 3, _GUESS),
+    128: TileConfig(64, 64, 4, 3, _GUESS),
+    256: TileConfig(32, 32, 8, 3, _GUESS),
+}
+_DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
+
+APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
+COMBINE_BLOCK_R = 4 if env.INTERPRET else 16  # rows per combine program
+COMBINE_WARPS = 4
+
+# Split heuristic (num_splits=0), an initial guess: aim for PROGRAMS_PER_SM programs per SM so that enough K/V
+# loads are in flight, give every split at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and cap the
+# partial buffers at MAX_SPLITS.
+PROGRAMS_PER_SM = 4
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 128
+_INTERPRETER_SMS = 4  # a pretend small GPU, so that auto-splitting engages on the interpreter's tiny shapes
+
+
+# The subset of problem.kernel_flags that the decode kernel takes (it has no varlen query and no seqused).
+_MASK_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST")
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    return _DECODE_INTERPRETER if env.INTERPRET else DECODE_TABLE[block_d(head_dim)]
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_SMS
+
+
+def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int) -> int:
+    """Splits per (sequence, KV head, M tile) from shapes only: work_units = B * Hk * M tiles and max_kv_blocks is
+    the cache capacity in BLOCK_N blocks (never the current lengths, which live on the device)."""
+    target = PROGRAMS_PER_SM * sms
+    if work_units >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, work_units), max_kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+
+def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_T, num_m_tiles) for GROUP x Sq packed query rows. BLOCK_T bounds the tokens a tile spans;
+    it is bucketed to a power of two so that Sq does not enter the compile key beyond that."""
+    rows = group * seqlen_q
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
+    span = block_m // group if block_m % group == 0 else (block_m - 1) // group + 2
+    return block_m, min(span, triton.next_power_of_2(seqlen_q)), triton.cdiv(rows, block_m)
+
+
+def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
+    """Rows one sequence can hold."""
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+def _rotary_args(rotary_cos):
+    if rotary_cos is None:
+        return 0, 0
+    return rotary_cos.stride(0), 2 * rotary_cos.shape[1]
+
+
+@torch.library.custom_op("flashtile::append_kv", mutates_args=("k_cache", "v_cache"))
+def append_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+    cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
+) -> None:
+    """Write k (rotated at positions cache_seqlens[b] + t when rotary_cos is given) and v into the caches at rows
+    [cache_seqlens[b], cache_seqlens[b] + S_new) of sequence b. k, v: (B, S_new, Hk, D)."""
+    batch, seqlen_new, nheads_kv, head_dim = k.shape
+    if k.numel() == 0:
+        return
+    stride_cos, rotary_dim = _rotary_args(rotary_cos)
+    grid = (triton.cdiv(seqlen_new, APPEND_BLOCK_T), nheads_kv, batch)
+    _append_kv_kernel[grid](
+        k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if block_table is not None else 0, stride_cos,
+        seqlen_new, k_cache.shape[1], rotary_dim,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
+        PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved,
+        num_warps=4,
+    )
+
+
+@append_kv.register_fake
+def _(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+      rotary_interleaved):
+    return None
+
+
+def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor) -> None:
+    """Merge (num_splits, B, Sq, H, D) / (num_splits, B, H, Sq) partial states into out (B, Sq, H, D) and lse
+    (B, H, Sq)."""
+    num_splits, batch, seqlen_q, nheads, head_dim = out_partials.shape
+    n_rows = batch * seqlen_q * nheads
+    if n_rows == 0 or head_dim == 0:
+        return
+    _combine_kernel[(triton.cdiv(n_rows, COMBINE_BLOCK_R),)](
+        out_partials, lse_partials, out, lse,
+        *out_partials.stride()[:4], *lse_partials.stride()[:4],
+        out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
+        num_splits, seqlen_q, nheads, n_rows,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=COMBINE_BLOCK_R, num_warps=COMBINE_WARPS,
+    )
+
+
+@torch.library.custom_op("flashtile::combine", mutates_args=())
+def combine(out_partials: torch.Tensor, lse_partials: torch.Tensor,
+            out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out (B, Sq, H, D) in out_dtype (default fp32), lse (B, H, Sq) fp32)."""
+    _, batch, seqlen_q, nheads, head_dim = out_partials.shape
+    out = out_partials.new_empty((batch, seqlen_q, nheads, head_dim), dtype=out_dtype or out_partials.dtype)
+    lse = lse_partials.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    combine_into(out_partials, lse_partials, out, lse)
+    return out, lse
+
+
+@combine.register_fake
+def _(out_partials, lse_partials, out_dtype):
+    _, batch, seqlen_q, nheads, head_dim = out_partials.shape
+    return (out_partials.new_empty((batch, seqlen_q, nheads, head_dim), dtype=out_dtype or out_partials.dtype),
+            lse_partials.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashtile::decode", mutates_args=())
+def decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
+    seqlen_new: int, softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Sq, H, D) over rows [leftpad, cache_seqlens + seqlen_new) of each sequence's cache.
+
+    Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32). num_splits = 0 picks the number of KV splits from shapes.
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_kv = k_cache.shape[2]
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    group = nheads // nheads_kv
+    cfg = decode_config(head_dim)
+    block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
+    if num_splits == 0:
+        num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
+                                     triton.cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device))
+    if num_splits == 1:
+        o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
+    else:
+        o_part = q.new_empty((num_splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32)
+        lse_part = q.new_empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32)
+        stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
+    qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
+    stride_cos, rotary_dim = _rotary_args(rotary_cos)
+    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype)
+    grid = (num_m_tiles * num_splits, nheads_kv, batch)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, o_part, lse_part, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        alibi_slopes, rotary_cos, rotary_sin,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_os, *o_part.stride()[-4:-1], stride_ls, *lse_part.stride()[-3:],
+        block_table.stride(0) if block_table is not None else 0, alibi_batch_stride(alibi_slopes), stride_cos,
+        seqlen_q, seqlen_new, k_cache.shape[1], rotary_dim, num_splits, num_m_tiles,
+        qk_scale, softcap2, window_left, window_right,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
+        GROUP=group, PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
+        ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _MASK_FLAGS}, **launch_opts(cfg),
+    )
+    if num_splits > 1:
+        combine_into(o_part, lse_part, out, lse)
+    return out, lse
+
+
+@decode.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+      rotary_cos, rotary_sin, rotary_interleaved, seqlen_new, softmax_scale, window_left, window_right, softcap,
+      num_splits):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)

@@ -1,0 +1,27 @@
+"""Test tiers. Without a GPU every kernel runs through Triton's CPU interpreter, which must be switched on before
+any kernel module is imported, so this file sets TRITON_INTERPRET first. With a GPU (the H200 tier, `pytest -m
+gpu`) the same tests run on the device, plus the `gpu`-marked ones at real sizes."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE != "cuda":
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -1,0 +1,74 @@
+"""Compile flashtile's prefill kernels for sm_90 on a machine without a GPU, and report shared memory.
+
+Run as a script (it must not see TRITON_INTERPRET): `python tests/sm90_compile.py [--all-flags]`. Prints one JSON
+line per compiled kernel: kernel, head dim, config, flags, shared bytes, and whether the PTX uses wgmma and TMA.
+tests/test_compile.py runs it in a subprocess; it is also handy for reading PTX without spending GPU time.
+"""
+
+import json
+import os
+import sys
+
+assert not os.environ.get("TRITON_INTERPRET"), "sm90_compile.py must run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from flashtile.config import production_configs  # noqa: E402
+from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel  # noqa: E402
+from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
+
+SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
+KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
+# Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
+FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
+I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
+FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
+OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
+            "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K"}
+
+
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16"):
+    signature, consts = {}, dict(constexprs)
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in OPTIONAL and not constexprs.get(OPTIONAL[name], False):
+            signature[name] = "constexpr"
+            consts[name] = None
+        elif name.isupper():
+            elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
+            signature[name] = "*" + elem
+        else:
+            signature[name] = "fp32" if name in FP32_SCALARS else "i32"
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+FLAG_SETS = {
+    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, MASK_LEFT=False, MASK_RIGHT=False,
+                  HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False, DOT_PRECISION="tf32"),
+    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, MASK_LEFT=True, MASK_RIGHT=True,
+                HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False, DOT_PRECISION="tf32"),
+}
+
+
+def main(argv):
+    flag_sets = FLAG_SETS if "--all-flags" in argv else {"dense": FLAG_SETS["dense"]}
+    for kernel, d, cfg in production_configs():
+        for flag_name, flags in flag_sets.items():
+            consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
+            c = compile_kernel(KERNELS[kernel], consts, cfg.num_warps, cfg.num_stages)
+            ptx = c.asm["ptx"]
+            print(json.dumps({"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
+                              cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
+                              "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}), flush=True)
+    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, IS_VARLEN=False,
+                                                    HAS_SEQUSED_Q=False), 4, 1)
+    print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
