@@ -18,12 +18,12 @@ import os
 import sys
 
 # Note [interpreter switch]
-# Without a GPU, Triton kernels can only run through Triton's interpreter, chosen by TRITON_INTERPRET=1. Triton
-# reads it when a kernel is decorated, i.e. when flashtile's kernel modules are imported, and flashtile.env
-# captures it at import too. Both the `flashtile` script and `python -m flashtile` import the flashtile package,
-# and with it those modules, before this one runs; so when the variable has to be set here, the process is
-# started again with it set. Called as a function (`main([...])`) in a process that imported the kernels for
-# the GPU, it cannot restart its caller, and says so instead.
+# Without a GPU, Triton kernels can only run through Triton's interpreter, chosen by TRITON_INTERPRET=1.
+# Triton reads it when a kernel is decorated, i.e. when flashtile's kernel modules are imported, and
+# flashtile.env captures it at import too. Both the `flashtile` script and `python -m flashtile` import the
+# flashtile package, and with it those modules, before this one runs; so when the variable has to be set here,
+# the process is started again with it set. Called as a function (`main([...])`) in a process that imported
+# the kernels for the GPU, it cannot restart its caller, and says so instead.
 _NOT_KERNELS = ("flashtile.cli", "flashtile.bench", "flashtile.__main__")
 
 
@@ -79,11 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", help="benchmark flashtile against other attention backends",
-        description="Each preset runs its modes over the sweep in flashtile.bench.cases; the shape flags replace "
-                    "single axes of that sweep (comma lists allowed), so giving all of them defines a custom case.",
+        description="Each preset runs its modes over the sweep in flashtile.bench.cases; the shape "
+                    "flags replace single axes of that sweep (comma lists allowed), so giving all of them "
+                    "defines a custom case.",
     )
     bench.add_argument("--preset", choices=PRESET_MODES,
-                       help="standard: fwd + fwdbwd (default on a GPU); decode; varlen; all (default without one)")
+                       help="standard: fwd + fwdbwd (default on a GPU); decode; varlen; "
+                            "all (default without a GPU)")
     bench.add_argument("--mode", nargs="+", metavar="MODE", help=f"any of {', '.join(MODES)} (overrides the "
                        "preset's modes; space- or comma-separated)")
     bench.add_argument("--backends", type=_words, help="comma-separated names (see --list-backends)")
@@ -101,13 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--page-size", type=_ints, dest="page_size", help="decode: 0 = contiguous KV cache")
     shape.add_argument("--causal", action=argparse.BooleanOptionalAction, help="default: both")
     bench.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp16 without one")
-    bench.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R", help="sliding window; -1 = unbounded")
+    bench.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R",
+                       help="sliding window; -1 = unbounded")
     bench.add_argument("--softcap", type=float, default=0.0)
-    bench.add_argument("--refcheck", action="store_true", help="check every output against the fp64 reference first")
-    bench.add_argument("--rep-ms", type=int, default=100, help="GPU: milliseconds of repetitions per measurement")
+    bench.add_argument("--refcheck", action="store_true",
+                       help="check every output against the fp64 reference first")
+    bench.add_argument("--rep-ms", type=int, default=100,
+                       help="GPU: milliseconds of repetitions per measurement")
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--csv", metavar="PATH")
     bench.add_argument("--plot", metavar="PATH", help="PNG of grouped bars (needs matplotlib)")
+    bench.add_argument("--load", nargs="+", metavar="JSON",
+                       help="report saved --json results (several runs merge) instead of running anything")
     bench.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                        help="extra environment fields for the records, e.g. git_sha=... where git is absent")
     return parser
@@ -121,41 +128,50 @@ def _shapes(args, gpu: bool):
     overrides = {a: getattr(args, a) for a in axes if getattr(args, a) is not None}
     if args.causal is not None:
         overrides["causal"] = (args.causal,)
-    return {kind: dataclasses.replace(s, **overrides) for kind, s in (GPU_SHAPES if gpu else CPU_SHAPES).items()}
+    base = GPU_SHAPES if gpu else CPU_SHAPES
+    return {kind: dataclasses.replace(s, **overrides) for kind, s in base.items()}
 
 
-def _bench(parser, args, device, interpreted: bool) -> int:
-    from flashtile.bench import plot, report
+def select(parser, args, gpu: bool):
+    """The cases and backends the bench arguments ask for (parser.error on bad names or shapes)."""
     from flashtile.bench.backends import BACKENDS
     from flashtile.bench.cases import MODES, PRESET_MODES, build_cases
-    from flashtile.bench.run import run
 
-    gpu = device.type == "cuda"
-    if args.list_backends:
-        for b in BACKENDS.values():
-            print(f"{b.name:16} {b.description}{'' if b.cpu else '  [CUDA only]'}")
-        return 0
-    modes = [m for word in args.mode for m in _words(word)] if args.mode else PRESET_MODES[
-        args.preset or ("standard" if gpu else "all")]
+    preset = args.preset or ("standard" if gpu else "all")
+    modes = [m for word in args.mode for m in _words(word)] if args.mode else PRESET_MODES[preset]
     if bad := [m for m in modes if m not in MODES]:
         parser.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
     names = args.backends or [b.name for b in BACKENDS.values() if gpu or b.cpu]
     if bad := [n for n in names if n not in BACKENDS]:
         parser.error(f"unknown backend {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
-    meta = dict(kv.split("=", 1) for kv in args.meta if "=" in kv)
     try:
         cases = build_cases(modes, _shapes(args, gpu), args.dtype or ("bf16" if gpu else "fp16"), args.window,
                             args.softcap)
     except ValueError as e:
         parser.error(str(e))
+    return cases, [BACKENDS[n] for n in names]
 
-    env = report.environment(device, interpreted, meta)
-    if interpreted:
-        print(report.CPU_NOTE, file=sys.stderr)
-    rows = run(cases, [BACKENDS[n] for n in names], device, args.refcheck, args.rep_ms)
+
+def _bench(parser, args, device, interpreted: bool) -> int:
+    from flashtile.bench import plot, report
+    from flashtile.bench.backends import BACKENDS
+    from flashtile.bench.run import run
+
+    if args.list_backends:
+        for b in BACKENDS.values():
+            print(f"{b.name:16} {b.description}{'' if b.cpu else '  [CUDA only]'}")
+        return 0
+    if args.load:
+        env, rows = report.read_json(args.load)
+    else:
+        cases, backends = select(parser, args, device.type == "cuda")
+        env = report.environment(device, interpreted, dict(kv.split("=", 1) for kv in args.meta if "=" in kv))
+        if interpreted:
+            print(report.CPU_NOTE, file=sys.stderr)
+        rows = run(cases, backends, device, args.refcheck, args.rep_ms)
     print("\n" + report.headline(env))
-    if interpreted:
-        print(report.CPU_NOTE)
+    if env.get("note"):
+        print(env["note"])
     print(report.format_table(rows))
     if args.json:
         report.write_json(args.json, env, rows)

@@ -1,10 +1,10 @@
 """The attention backends `flashtile bench` compares, and how each is set up for a case.
 
-A backend is a name and `setup(case, inputs) -> Prepared`. Setup does everything that must stay out of the timed
-region: imports, layout changes ((B, S, H, D) → contiguous (B, H, S, D) for SDPA and Flex), paging the KV cache,
-block masks, torch.compile. It returns the timed callable. A backend that cannot run a case raises `Unsupported`
-with the reason, which the report prints instead of a time; a backend that is not installed is unsupported, not
-an error.
+A backend is a name and `setup(case, inputs) -> Prepared`. Setup does everything that must stay out of the
+timed region: imports, layout changes ((B, S, H, D) → contiguous (B, H, S, D) for SDPA and Flex), paging the
+KV cache, block masks, torch.compile. It returns the timed callable. A backend that cannot run a case raises
+`Unsupported` with the reason, which the report prints instead of a time; a backend that is not installed is
+unsupported, not an error.
 
     backend         fwd/fwdbwd            decode                         varlen
     flashtile       flash_attn_func       flash_attn_with_kvcache        flash_attn_varlen_func
@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ class Backend:
     name: str
     setup: Callable[[Case, Inputs], Prepared]
     description: str
-    cpu: bool = False  # also runs without CUDA (flashtile through the Triton interpreter; SDPA's math backend)
+    cpu: bool = False  # runs without CUDA too: flashtile via the Triton interpreter, SDPA's math backend
 
 
 def _prepare(case, fwd, q, buffers, dout=None, to_flash=lambda o: o) -> Prepared:
@@ -95,7 +96,8 @@ def _flash_api(module: str, page_multiple: int = 1):
                 raise Unsupported(f"paged KV needs a page size that is a multiple of {page_multiple}")
             kw.update(cache_seqlens=inputs.cache_seqlens, num_splits=0)  # 0: the library's split-KV heuristic
             if case.page_size:
-                return _prepare(case, lambda q, k, v, bt: fn(q, k, v, block_table=bt, **kw), inputs.q, _paged(case, inputs))
+                paged = lambda q, k, v, block_table: fn(q, k, v, block_table=block_table, **kw)
+                return _prepare(case, paged, inputs.q, _paged(case, inputs))
             return _prepare(case, lambda q, k, v: fn(q, k, v, **kw), inputs.q, inputs.kv)
         if case.mode == "varlen":
             (fn,) = _api(module, "flash_attn_varlen_func")
@@ -125,7 +127,7 @@ def _setup_fa4(case: Case, inputs: Inputs) -> Prepared:
         return varlen_func(q, k, v, cu, cu, max_seqlen_q=n, max_seqlen_k=n, **kw)[0]
 
     if case.mode == "decode":
-        kw["num_splits"] = 0  # below 1 selects FA4's split-KV heuristic; its default, 1, idles most SMs in decode
+        kw["num_splits"] = 0  # < 1: FA4's split-KV heuristic; its default, 1, leaves most SMs idle in decode
         if case.page_size:
             return _prepare(case, paged, inputs.q, _paged(case, inputs))
         return _prepare(case, dense, inputs.q, inputs.kv)
@@ -160,7 +162,8 @@ def _sdpa(kernel_name: str):
             raise Unsupported("SDPA has no sliding window or softcap")
         if case.page_size:
             raise Unsupported("SDPA has no paged KV cache")
-        scores = case.nheads * (sum(n * n for n in case.seqlens) or case.batch * case.seqlen_q * case.seqlen_k)
+        per_head = sum(n * n for n in case.seqlens) or case.batch * case.seqlen_q * case.seqlen_k
+        scores = case.nheads * per_head
         if kernel == SDPBackend.MATH and scores > MATH_MAX_SCORES:
             raise Unsupported(f"math backend only up to {MATH_MAX_SCORES:.2g} scores")
         kw = {"enable_gqa": True} if case.nheads_kv != case.nheads else {}
@@ -170,6 +173,10 @@ def _sdpa(kernel_name: str):
                 return F.scaled_dot_product_attention(q, k, v, **kw)
 
         if case.mode == "varlen":
+            if case.nheads_kv != case.nheads:
+                raise Unsupported("SDPA on nested tensors has no GQA")
+            # torch logs a paragraph per refused nested-tensor kernel on every call; the row already says why.
+            logging.getLogger("torch.nested._internal.sdpa").setLevel(logging.ERROR)
             kw["is_causal"] = case.causal
             offsets = inputs.cu_seqlens.long()
 
@@ -191,7 +198,9 @@ def _compiled_flex():
 
     # Each case is a new shape and so a recompile. Past dynamo's limit (8 by default) it silently runs
     # flex_attention eagerly, which materialises the scores: the rows would time that instead.
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+    limits = ("recompile_limit", "cache_size_limit",  # the names vary across torch versions
+              "accumulated_recompile_limit", "accumulated_cache_size_limit")
+    for name in limits:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 4096)
     return torch.compile(flex_attention, dynamic=False)
@@ -217,7 +226,7 @@ def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
         keep.append(lambda q, kv: kv >= q + offset - left)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return functools.reduce(torch.logical_and, (k(q_idx, kv_idx) for k in keep))
+        return functools.reduce(torch.logical_and, (cond(q_idx, kv_idx) for cond in keep))
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return case.softcap * torch.tanh(score / case.softcap)
@@ -233,7 +242,8 @@ def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
     q = layout(inputs.q)
     kw = {"enable_gqa": case.nheads_kv != case.nheads, "score_mod": score_mod if case.softcap else None}
     if keep:
-        kw["block_mask"] = create_block_mask(mask_mod, None, None, q.shape[-2], inputs.k.shape[-3], device=q.device)
+        seqlen_q, seqlen_k = q.shape[-2], inputs.k.shape[-3]
+        kw["block_mask"] = create_block_mask(mask_mod, None, None, seqlen_q, seqlen_k, device=q.device)
     flex = _compiled_flex()
     kv = [(layout(k), layout(v)) for k, v in inputs.kv]
     dout = None if inputs.dout is None else layout(inputs.dout)

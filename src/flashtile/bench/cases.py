@@ -1,10 +1,10 @@
-"""What `flashtile bench` measures: the `Case` (one attention problem in one mode) and the presets that sweep them.
+"""What `flashtile bench` measures: `Case`, one attention problem in one mode, and the presets' sweeps.
 
 A preset names the modes to run; the shapes come from a `Shapes` sweep per kind of problem (dense, decode,
 varlen), one case per point of the product of its axes. Axes left as None are derived the way the
-FlashAttention papers fix total work: batch = tokens // seqlen and heads = hidden // head dim. Command-line flags
-replace individual axes, so `--preset standard --head-dim 128` is the standard sweep at one head dim, and a
-fully specified custom case is just every axis set to one value.
+FlashAttention papers fix total work: batch = tokens // seqlen and heads = hidden // head dim. Command-line
+flags replace individual axes, so `--preset standard --head-dim 128` is the standard sweep at one head dim,
+and a fully specified custom case is just every axis set to one value.
 
 The GPU sweeps:
 - dense (modes fwd, fwdbwd): the papers' sweep. B·S = 16k tokens, hidden 2048, head dims 64/128/256,
@@ -71,7 +71,8 @@ class Case:
         elif self.mode == "decode":
             shape = f"b{self.batch} q{self.seqlen_q} kv{self.seqlen_k}"
         else:
-            shape = f"b{self.batch} s{self.seqlen_q}" + (f"/{self.seqlen_k}" if self.seqlen_k != self.seqlen_q else "")
+            kv = f"/{self.seqlen_k}" if self.seqlen_k != self.seqlen_q else ""
+            shape = f"b{self.batch} s{self.seqlen_q}{kv}"
         heads = f"h{self.nheads}" + (f"/{self.nheads_kv}" if self.nheads_kv != self.nheads else "")
         parts = [shape, heads, f"d{self.headdim}", self.dtype]
         if self.causal:
@@ -99,7 +100,7 @@ class Shapes:
     head_dim: tuple[int, ...]
     seqlen_q: tuple[int, ...] = (1,)
     seqlen_k: tuple[int, ...] | None = None  # None: seqlen_q
-    batch: tuple[int, ...] | None = None  # None: tokens // seqlen (seqlen_k in decode, whose tokens are KV tokens)
+    batch: tuple[int, ...] | None = None  # None: tokens // seqlen (decode: tokens // seqlen_k, KV tokens)
     tokens: int = 16384
     heads: tuple[int, ...] | None = None  # None: hidden // head_dim
     hidden: int = 2048
@@ -121,7 +122,8 @@ GPU_SHAPES = {
 CPU_SHAPES = {
     "dense": Shapes(head_dim=(64,), seqlen_q=(64, 128), batch=(1,), heads=(2,)),
     "decode": Shapes(
-        head_dim=(64,), seqlen_k=(256,), batch=(2,), heads=(4,), kv_heads=(2,), causal=(True,), page_size=(0, 16)
+        head_dim=(64,), seqlen_k=(256,), batch=(2,), heads=(4,), kv_heads=(2,), causal=(True,),
+        page_size=(0, 16),
     ),
     "varlen": Shapes(head_dim=(64,), seqlens=(64, 17, 113), heads=(2,)),
 }
@@ -131,8 +133,9 @@ def kind(mode: str) -> str:
     return mode if mode in ("decode", "varlen") else "dense"
 
 
-def build_cases(modes, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1), softcap=0.0) -> list[Case]:
-    """Every case of `modes`, in sweep order: mode, head dim, causal, (query length, page size), then the rest."""
+def build_cases(modes, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1),
+                softcap=0.0) -> list[Case]:
+    """Every case of `modes`, in sweep order: mode, head dim, causal, (query length, page size), the rest."""
     cases = []
     for mode in modes:
         s = shapes[kind(mode)]
@@ -140,12 +143,13 @@ def build_cases(modes, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -
         seqlen_q = (max(seqlens),) if seqlens else s.seqlen_q
         pages = s.page_size if mode == "decode" else (0,)
         axes = itertools.product(
-            s.head_dim, s.causal, seqlen_q, pages, s.seqlen_k or (None,), s.batch or (None,), s.heads or (None,),
-            s.kv_heads or (None,),
+            s.head_dim, s.causal, seqlen_q, pages, s.seqlen_k or (None,), s.batch or (None,),
+            s.heads or (None,), s.kv_heads or (None,),
         )
         for d, causal, sq, page, sk, b, h, hk in axes:
             sk = sq if seqlens or sk is None else sk
             h = h or max(1, s.hidden // d)
             b = len(seqlens) if seqlens else b or max(1, s.tokens // (sk if mode == "decode" else sq))
-            cases.append(Case(mode, b, sq, sk, h, hk or h, d, dtype, causal, tuple(window_size), softcap, page, seqlens))
+            cases.append(Case(mode, b, sq, sk, h, hk or h, d, dtype, causal, tuple(window_size), softcap,
+                              page, seqlens))
     return cases

@@ -1,9 +1,12 @@
 """Input tensors for one case, shared by every backend so they all see the same numbers.
 
-Random normal values, never zeros: zero operands make every softmax row uniform, which hides masking and scaling
-errors from --refcheck, and draw less power, which flatters the clock. In flashtile's layout; each backend converts to its own layout in its setup, outside the timed region. Decode gets
-several copies of its KV cache, enough that together they exceed the L2 cache several times over: the timed
-call rotates through them, so back-to-back repetitions cannot find the cache they are about to read still in L2.
+Random normal values, never zeros: zero operands make every softmax row uniform, which hides masking and
+scaling errors from --refcheck, and draw less power, which flatters the clock. In flashtile's layout; each
+backend converts to its own layout in its setup, outside the timed region. Decode gets several copies of its
+KV cache, enough that together they exceed the L2 cache several times over, and the timed call rotates through
+them: no repetition can read a cache the one before left in L2. (timing.py's do_bench also clears L2 between
+repetitions; the rotation keeps decode honest under a timer that replays calls back to back, like CUDA
+graphs.)
 
 What this module does not do: choose shapes (cases.py) or time anything.
 """
@@ -26,7 +29,7 @@ DEFAULT_L2_BYTES = 60 * 2**20  # the H100/H200 L2, for devices that do not repor
 @dataclass
 class Inputs:
     q: torch.Tensor  # (B, Sq, H, D); varlen: (total, H, D)
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # (k, v), each (B, Sk, Hk, D) or (total, Hk, D); decode: copies
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # (k, v): (B, Sk, Hk, D) or (total, Hk, D); decode: copies
     dout: torch.Tensor | None = None  # like q; fwdbwd only
     cu_seqlens: torch.Tensor | None = None  # varlen: (n + 1,) int32, for q and k alike
     cache_seqlens: torch.Tensor | None = None  # decode: (B,) int32
@@ -58,7 +61,8 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     h, hk, d = case.nheads, case.nheads_kv, case.headdim
     if case.mode == "varlen":
         total = sum(case.seqlens)
-        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        offsets = [0, *torch.tensor(case.seqlens).cumsum(0).tolist()]
+        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
         return Inputs(randn(total, h, d), [(randn(total, hk, d), randn(total, hk, d))], cu_seqlens=cu)
     q = randn(case.batch, case.seqlen_q, h, d)
     kv_shape = (case.batch, case.seqlen_k, hk, d)
@@ -71,10 +75,11 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
 
 
 def paginate(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int = 0):
-    """A contiguous cache (B, L, Hk, D) as pages (num_pages, page_size, Hk, D) and a block table (B, L/page) int32.
+    """A contiguous cache (B, L, Hk, D) as pages (num_pages, page_size, Hk, D) and a block table (B, L/page).
 
-    Pages are placed in a random order, so logically adjacent pages are not physically adjacent (as in a serving
-    cache). The tail of a partly filled last page is NaN: a kernel that reads past cache_seqlens fails --refcheck.
+    Pages are placed in a random order, so logically adjacent pages are not physically adjacent (as in a
+    serving cache). The tail of a partly filled last page is NaN: a kernel that reads past cache_seqlens fails
+    --refcheck.
     """
     b, seqlen, hk, d = k.shape
     per_seq = math.ceil(seqlen / page_size)

@@ -3,13 +3,13 @@
 Forward FLOPs are 4·D per visible (query, key) pair and query head: QKᵀ and PV are two matmuls of 2 FLOPs per
 multiply-add, so an unmasked problem is 4·B·H·Sq·Sk·D. Masked pairs are not counted. Causal and sliding-window
 problems count exactly the pairs their mask keeps, bottom-right aligned as in flash-attn (query i sees key j
-iff i + Sk − Sq − left ≤ j ≤ i + Sk − Sq + right); for a square causal problem that is S(S+1)/2 pairs, 1/S more
-than the papers' S²/2 (0.2% at S = 512). Backward is 2.5× forward (five matmuls against forward's two), so
-forward+backward is 3.5×. Softmax, masking and softcap work is not counted, by the same convention. GQA does not
-change the count: every query head does its own matmuls.
+iff i + Sk − Sq − left ≤ j ≤ i + Sk − Sq + right); for a square causal problem that is S(S+1)/2 pairs, 1/S
+more than the papers' S²/2 (0.2% at S = 512). Backward is 2.5× forward (five matmuls against forward's two),
+so forward+backward is 3.5×. Softmax, masking and softcap work is not counted, by the same convention. GQA
+does not change the count: every query head does its own matmuls.
 
-Decode is bound by memory, so it is measured in bytes: the K and V a kernel must read, Σ_b seqlen_k · Hk · D · 2
-tensors · element size. Q, the output and page tables are small next to them and not counted.
+Decode is bound by memory, so it is measured in bytes: the K and V a kernel must read, Σ_b seqlen_k · Hk · D ·
+2 tensors · element size. Q, the output and page tables are small next to them and not counted.
 
 What this module does not do: time anything or know about backends.
 """
@@ -28,7 +28,7 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool = False, window_siz
     left, right = window_size
     if causal:
         right = 0
-    diag = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)  # key aligned with each query row
+    diag = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)  # key aligned with each query
     lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(diag)
     hi = (diag + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(diag, seqlen_k - 1)
     return int((hi - lo + 1).clamp(min=0).sum())

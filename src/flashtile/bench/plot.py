@@ -1,4 +1,4 @@
-"""`--plot PATH`: the results as a PNG of grouped bar charts, in the style of the FlashAttention papers' figures.
+"""`--plot PATH`: results as a PNG of grouped bar charts, in the style of the FlashAttention papers' figures.
 
 One panel per mode × head dim × causal (decode: per query count × page size), one group of bars per sequence
 length (decode: batch × KV length; varlen: the mix), one bar per backend in a colour that is the same in every
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from flashtile.bench.report import headline
 
-MODE_TITLES = {"fwd": "Forward", "fwdbwd": "Forward + backward", "varlen": "Varlen forward", "decode": "Decode"}
+MODE_TITLES = {"fwd": "Forward", "fwdbwd": "Forward + backward", "varlen": "Varlen forward"}
 
 
 def _short(n: int) -> str:
@@ -32,7 +32,8 @@ def _panel(r: dict) -> tuple[tuple, int, str, str]:
     if r["mode"] == "decode":
         q = f"{r['seqlen_q']} query token" + ("s" if r["seqlen_q"] > 1 else "")
         page = f"page size {r['page_size']}" if r["page_size"] else "contiguous cache"
-        title = f"Decode, {q}, {page}, heads {r['nheads']}/{r['nheads_kv']}, d{r['headdim']}, {', '.join(extras)}"
+        heads = f"heads {r['nheads']}/{r['nheads_kv']}"
+        title = f"Decode, {q}, {page}, {heads}, d{r['headdim']}, {', '.join(extras)}"
         return ("decode", r["seqlen_q"], r["headdim"], *extras), r["page_size"], title, "batch × KV length"
     mask = "causal" if r["causal"] else "not causal"
     title = f"{MODE_TITLES[r['mode']]}, head dim {r['headdim']}, {mask}, {', '.join(extras)}"
@@ -84,7 +85,7 @@ def plot(path: str, env: dict, rows: list[dict]) -> None:
 
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     colours = {b: plt.get_cmap("tab10")(i % 10) for i, b in enumerate(backends)}
-    grid: dict[tuple, dict[int, tuple[str, str, dict]]] = {}  # row key -> column key -> (title, xlabel, groups)
+    grid: dict[tuple, dict[int, tuple]] = {}  # row key -> column key -> (title, xlabel, groups)
     for r in rows:
         if r["status"] == "ok":
             row_key, col_key, title, xlabel = _panel(r)
@@ -94,7 +95,8 @@ def plot(path: str, env: dict, rows: list[dict]) -> None:
         raise SystemExit("--plot: no backend ran successfully, nothing to plot")
 
     nrows, ncols = len(grid), max(len(cols) for cols in grid.values())
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, 4.2 * nrows), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.4 * ncols, 4.2 * nrows), squeeze=False,
+                             layout="constrained")
     for ax in axes.flat:
         ax.set_visible(False)
     for axes_row, cols in zip(axes, grid.values()):

@@ -1,11 +1,12 @@
 """--refcheck: each backend's forward output against flashtile.testing's fp64 reference, before it is timed.
 
-The reference is computed on a slice of the problem: batches {0, B−1} and the query heads of KV heads {0, Hk−1}
-(varlen: its first and last sequences), narrowed to one batch and one KV head's group when that slice would hold
-more than REF_MAX_SCORES scores. So a 16k-token case checks in milliseconds and a few GB, and both ends of the
-batch and head ranges are looked at. A backend passes by the rule the tests use (flashtile.testing.check_close):
-max |out − ref| ≤ FACTOR · max |PyTorch's same math in the input dtype − ref| + a rounding-sized atol. A failure is
-reported as MISMATCH beside the backend's time; it does not stop the run or hide the row.
+The reference is computed on a slice of the problem: batches {0, B−1} and the query heads of KV heads {0,
+Hk−1} (varlen: its first and last sequences), narrowed to one batch and one KV head's group when that slice
+would hold more than REF_MAX_SCORES scores. So a 16k-token case checks in milliseconds and a few GB, and both
+ends of the batch and head ranges are looked at. A backend passes by the rule the tests use
+(flashtile.testing.check_close): max |out − ref| ≤ FACTOR · max |PyTorch's same math in the input dtype − ref|
++ a rounding-sized atol. A failure is reported as MISMATCH beside the backend's time; it does not stop the run
+or hide the row.
 
 What this module does not do: run backends (run.py) or check gradients (the test suite does).
 """
@@ -28,7 +29,7 @@ FACTOR = 2  # flash-attn's factor for the forward output
 
 @dataclass
 class Reference:
-    parts: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]  # (slice of a full output, fp64 ref)
+    parts: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]  # (output slicer, fp64 ref)
     bound: float  # largest max-abs error that passes
 
 
@@ -43,7 +44,7 @@ class Verdict:
 
 
 def _slices(case: Case):
-    """Batch (or sequence) indices and the query / KV heads to check, or None when even the smallest is too big."""
+    """Batch (or sequence) indices and query / KV heads to check; None when even the smallest is too big."""
     group = case.nheads // case.nheads_kv
     n = len(case.seqlens) or case.batch
     for batches, kv_heads in (({0, n - 1}, {0, case.nheads_kv - 1}), ({0}, {0})):
@@ -82,7 +83,8 @@ def build_reference(case: Case, inputs: Inputs) -> Reference | None:
         selects = [_batches(torch.tensor(batches, device=inputs.q.device))]
     parts, base_err, atol = [], 0.0, 0.0
     for select in selects:
-        q, k, v = select(inputs.q)[:, :, q_idx], select(inputs.k)[:, :, kv_idx], select(inputs.v)[:, :, kv_idx]
+        q = select(inputs.q)[:, :, q_idx]
+        k, v = select(inputs.k)[:, :, kv_idx], select(inputs.v)[:, :, kv_idx]
         ref, _ = attention_ref(q.double(), k.double(), v.double(), **kw)
         low, _ = attention_ref(q, k, v, upcast=False, **kw)
         base_err = max(base_err, (low.double() - ref).abs().max().item())

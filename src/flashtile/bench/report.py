@@ -1,9 +1,9 @@
 """Results out of `flashtile bench`: the terminal table, JSON, CSV, and the environment header they carry.
 
-JSON is {"environment": {...}, "rows": [...]}; CSV is the same rows, long format, with the environment repeated
-in every row so that files from several runs concatenate. The environment names the GPU, the torch, CUDA, cuDNN,
-Triton, flashtile and flash-attn versions, the git commit and the date: a number without them cannot be
-compared with anything.
+JSON is {"environment": {...}, "rows": [...]}; CSV is the same rows, long format, with the environment
+repeated in every row so that files from several runs concatenate. The environment names the GPU, the torch,
+CUDA, cuDNN, Triton, flashtile and flash-attn versions, the git commit and the date: a number without them
+cannot be compared with anything.
 
 What this module does not do: plot (plot.py) or measure (run.py).
 """
@@ -71,7 +71,8 @@ def environment(device: torch.device, interpreted: bool, meta: dict | None = Non
 
 def headline(env: dict) -> str:
     return (f"flashtile bench · {env.get('gpu')} · torch {env.get('torch')} · triton {env.get('triton')} · "
-            f"cuDNN {env.get('cudnn')} · flashtile {env.get('flashtile')} ({env.get('git_sha')}) · {env.get('date')}")
+            f"cuDNN {env.get('cudnn')} · flashtile {env.get('flashtile')} ({env.get('git_sha')}) · "
+            f"{env.get('date')}")
 
 
 def _speed(row: dict) -> str:
@@ -94,7 +95,7 @@ def format_table(rows: list[dict]) -> str:
             _speed(r), r["refcheck"] or "",
             f"{r['vs_best']:.3g}x {r['best_other']}" if r.get("vs_best") else "", "" if ok else r["status"],
         ))
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*line).rstrip() for line in lines]
@@ -105,6 +106,15 @@ def write_json(path: str, env: dict, rows: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump({"environment": env, "rows": rows}, f, indent=1)
         f.write("\n")
+
+
+def read_json(paths: list[str]) -> tuple[dict, list[dict]]:
+    """Rows of several --json files, with the first file's environment (so split runs plot as one)."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    return records[0]["environment"], [r for record in records for r in record["rows"]]
 
 
 def write_csv(path: str, env: dict, rows: list[dict]) -> None:

@@ -1,10 +1,10 @@
 """Runs a benchmark: per case, inputs made once; per backend, setup, --refcheck, timing; one row each.
 
-A backend's failure never stops the run. `Unsupported` and NotImplementedError become "unsupported: why" (SDPA's
-refusal to run a forced kernel is one too, with the warning that says why), anything else "error: what", and the
-next backend runs. Rows are flat dicts, long format: one per (case, backend), with the case's fields, the
-timing, TFLOP/s (and TB/s in decode), the refcheck verdict and, on flashtile's rows, its speed relative to the
-fastest other backend that passed.
+A backend's failure never stops the run. `Unsupported` and NotImplementedError become "unsupported: why"
+(SDPA's refusal to run a forced kernel is one too, with the warning that says why), anything else "error:
+what", and the next backend runs. Rows are flat dicts, long format: one per (case, backend), with the case's
+fields, the timing, TFLOP/s (and TB/s in decode), the refcheck verdict and, on flashtile's rows, its speed
+relative to the fastest other backend that passed.
 
 What this module does not do: format or write results (report.py, plot.py) or parse arguments (cli.py).
 """
@@ -41,9 +41,9 @@ def _status(e: BaseException, caught: list) -> str:
 
 
 def run_backend(case: Case, inputs, backend: Backend, device: torch.device, reference, rep_ms: int) -> dict:
-    row = {"backend": backend.name, "case": case.label(), **case.fields(), "status": "ok", "ms": None, "p20": None, "p80": None,
-           "tflops": None, "tbps": None, "refcheck": None, "ref_err": None, "ref_bound": None,
-           "vs_best": None, "best_other": None}
+    row = {"backend": backend.name, "case": case.label(), **case.fields(), "status": "ok"}
+    row |= dict.fromkeys(("ms", "p20", "p80", "tflops", "tbps", "refcheck", "ref_err", "ref_bound", "vs_best",
+                          "best_other"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -73,7 +73,7 @@ def compare(rows: list[dict]) -> None:
     Backends that failed --refcheck are left out of "fastest": a wrong answer is not a time to beat.
     """
     others = [r for r in rows if not r["backend"].startswith("flashtile") and r["status"] == "ok"
-              and r["refcheck"] in (None, "ok")]
+              and not (r["refcheck"] or "").startswith("MISMATCH")]
     best = min(others, key=lambda r: r["ms"], default=None)
     for r in rows:
         if r["backend"].startswith("flashtile") and r["status"] == "ok" and best is not None:
@@ -92,19 +92,27 @@ def progress_line(done: int, total: int, text: str) -> None:
     sys.stderr.flush()
 
 
+def _reference(case: Case, inputs):
+    """(reference, None), or (None, why the check is skipped): a failed reference must not stop the run."""
+    try:
+        reference = build_reference(case, inputs)
+    except Exception as e:  # noqa: BLE001
+        return None, f"skipped: reference failed ({type(e).__name__})"
+    return (reference, None) if reference is not None else (None, "skipped: too large")
+
+
 def run(cases: list[Case], backends: list[Backend], device: torch.device, refcheck: bool = False,
         rep_ms: int = 100, progress: Callable[[int, int, str], None] = progress_line) -> list[dict]:
     rows = []
     steps, step = len(cases) * len(backends), 0
     for case in cases:
         inputs = make_inputs(case, device)
-        reference = build_reference(case, inputs) if refcheck else None
+        reference, skipped = _reference(case, inputs) if refcheck else (None, None)
         case_rows = []
         for backend in backends:
             progress(step, steps, f"{case.mode} {case.label()} · {backend.name}")
             row = run_backend(case, inputs, backend, device, reference, rep_ms)
-            if refcheck and reference is None:
-                row["refcheck"] = "skipped: too large"
+            row["refcheck"] = row["refcheck"] or skipped
             case_rows.append(row)
             step += 1
         compare(case_rows)

@@ -1,12 +1,12 @@
 """Timing a prepared call: the median and the 20th/80th percentiles of many repetitions.
 
-On a GPU this is `triton.testing.do_bench`: it sizes the warm-up and the repetition count from a first estimate
-(about `rep_ms` of repetitions), times each repetition with its own pair of CUDA events, and clears the L2 cache
-before each (a 256 MB write, outside the events) — so cold-cache time is measured, as a real model step sees it.
-Without a GPU (the Triton interpreter) it is `time.perf_counter` around a few repetitions: enough to show the
-pipeline working, not a measurement of anything a GPU would do.
+On a GPU this is `triton.testing.do_bench`: it sizes the warm-up and the repetition count from a first
+estimate (about `rep_ms` of repetitions), times each repetition with its own pair of CUDA events, and clears
+the L2 cache before each (a 256 MB write, outside the events) — so cold-cache time is measured, as a real
+model step sees it. Without a GPU (the Triton interpreter) it is `time.perf_counter` around a few repetitions:
+enough to show the pipeline working, not a measurement of anything a GPU would do.
 
-What this module does not do: decide what is timed (backends.py) or turn times into FLOP/s (report.py).
+What this module does not do: decide what is timed (backends.py) or turn times into FLOP/s (run.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""flashtile.bench: FLOP and byte counts, presets, paging, the backends registry's failure paths, --refcheck,
+ranking and timing. Each test runs in well under a second on a CPU; none needs a GPU."""
+
+import dataclasses
+import math
+import sys
+
+import pytest
+import torch
+
+from flashtile.bench import run as bench_run
+from flashtile.bench.backends import BACKENDS, Backend, Prepared, Unsupported
+from flashtile.bench.cases import CPU_SHAPES, GPU_SHAPES, VARLEN_MIX, Case, build_cases
+from flashtile.bench.inputs import make_inputs, paginate
+from flashtile.bench.metrics import forward_flops, kv_bytes, timed_flops, visible_pairs
+from flashtile.bench.refcheck import build_reference, check
+from flashtile.bench.timing import measure
+
+CPU = torch.device("cpu")
+
+
+def brute_force_pairs(seqlen_q, seqlen_k, causal, window_size):
+    left, right = window_size
+    right = 0 if causal else right
+    count = 0
+    for i in range(seqlen_q):
+        diag = i + seqlen_k - seqlen_q
+        for j in range(seqlen_k):
+            count += (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
+    return count
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 17), (13, 40), (40, 13), (1, 70), (5, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window_size", [(-1, -1), (3, 0), (0, 3), (4, 7), (-1, 2), (10, -1)])
+def test_visible_pairs_match_the_mask(seqlen_q, seqlen_k, causal, window_size):
+    assert visible_pairs(seqlen_q, seqlen_k, causal, window_size) == brute_force_pairs(
+        seqlen_q, seqlen_k, causal, window_size)
+
+
+def test_flops_follow_the_flash_attn_convention():
+    full = Case("fwd", batch=2, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_kv=16, headdim=128)
+    assert forward_flops(full) == 4 * 2 * 16 * 1024 * 1024 * 128
+    causal = dataclasses.replace(full, causal=True)
+    assert forward_flops(causal) == 4 * 2 * 16 * 128 * (1024 * 1025 // 2)  # exactly the kept pairs: S(S+1)/2
+    assert math.isclose(forward_flops(causal) / forward_flops(full), 0.5, rel_tol=2 / 1024)
+    gqa = dataclasses.replace(full, nheads_kv=2)
+    assert forward_flops(gqa) == forward_flops(full)  # every query head does its own matmuls
+    assert timed_flops(dataclasses.replace(full, mode="fwdbwd")) == 3.5 * forward_flops(full)
+    window = dataclasses.replace(full, window_size=(255, 0))
+    assert forward_flops(window) == 4 * 2 * 16 * 128 * (1024 * 256 - 255 * 256 // 2)
+
+
+def test_varlen_flops_and_bytes_sum_over_sequences():
+    case = Case("varlen", 3, 7, 7, nheads=4, nheads_kv=2, headdim=64, seqlens=(3, 5, 7), causal=True)
+    assert forward_flops(case) == 4 * 4 * 64 * (6 + 15 + 28)
+    assert kv_bytes(case) == 15 * 2 * 64 * 2 * 2  # tokens · Hk · D · (K and V) · bf16
+
+
+def test_decode_bytes_count_k_and_v_of_every_kv_head():
+    case = Case("decode", batch=8, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=8, headdim=128,
+                dtype="fp16", page_size=64)
+    assert kv_bytes(case) == 8 * 32768 * 8 * 128 * 2 * 2
+    assert kv_bytes(dataclasses.replace(case, seqlen_q=4)) == kv_bytes(case)  # queries are not counted
+
+
+def test_standard_sweep_is_the_papers_sweep():
+    cases = build_cases(["fwd", "fwdbwd"], GPU_SHAPES, "bf16")
+    assert len(cases) == 2 * 3 * 2 * 6
+    assert all(c.batch * c.seqlen_q == 16384 and c.nheads * c.headdim == 2048 for c in cases)
+    assert {c.headdim for c in cases} == {64, 128, 256}
+    assert {c.seqlen_q for c in cases} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert [c.causal for c in cases[:12]] == [False] * 6 + [True] * 6  # panel by panel
+
+
+def test_decode_and_varlen_presets():
+    decode = build_cases(["decode"], GPU_SHAPES, "bf16")
+    assert {(c.nheads, c.nheads_kv, c.headdim) for c in decode} == {(32, 8, 128)}
+    assert all(c.batch * c.seqlen_k == 262144 for c in decode)
+    assert {c.batch for c in decode} == {64, 32, 16, 8, 4, 2}
+    assert {c.page_size for c in decode} == {0, 16, 64, 256} and {c.seqlen_q for c in decode} == {1, 4}
+    varlen = build_cases(["varlen"], GPU_SHAPES, "bf16")
+    assert len(varlen) == 2 and sum(VARLEN_MIX) == 16384 and len(VARLEN_MIX) == 16
+    assert min(VARLEN_MIX) == 256 and max(VARLEN_MIX) == 4096
+    assert all(c.batch == 16 and c.seqlen_q == 4096 for c in varlen)
+
+
+def test_bad_case_is_refused():
+    with pytest.raises(ValueError, match="multiple"):
+        Case("fwd", 1, 8, 8, nheads=6, nheads_kv=4, headdim=64)
+
+
+def test_paginate_round_trips_and_poisons_the_tail():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 37, 3, 8, generator=g)
+    k_pages, v_pages, table = paginate(k, v, page_size=16)
+    assert table.dtype == torch.int32 and table.shape == (2, 3)
+    assert sorted(table.flatten().tolist()) == list(range(6))
+    for pages, x in ((k_pages, k), (v_pages, v)):
+        gathered = pages[table.long()].flatten(1, 2)  # (B, 48, Hk, D)
+        assert torch.equal(gathered[:, :37], x)
+        assert gathered[:, 37:].isnan().all()
+
+
+def _fake(name, setup, cpu=True):
+    return Backend(name, setup, "test double", cpu=cpu)
+
+
+def _cpu_case(mode="fwd", **kw):
+    base = {"batch": 2, "seqlen_q": 24, "seqlen_k": 24, "nheads": 4, "nheads_kv": 2, "headdim": 16,
+            "dtype": "fp32", "causal": True}
+    return Case(mode, **base | kw)
+
+
+def test_failing_backends_become_rows_not_crashes():
+    def unsupported(case, inputs):
+        raise Unsupported("no such thing")
+
+    def broken(case, inputs):
+        raise KeyError("boom")
+
+    backends = [_fake("nope", unsupported), _fake("broken", broken), BACKENDS["sdpa-math"],
+                _fake("gpu-only", unsupported, cpu=False)]
+    rows = bench_run.run([_cpu_case()], backends, CPU, progress=lambda *a: None)
+    status = {r["backend"]: r["status"] for r in rows}
+    assert status == {"nope": "unsupported: no such thing", "broken": "error: KeyError: 'boom'",
+                      "sdpa-math": "ok", "gpu-only": "unsupported: needs a CUDA GPU"}
+    assert rows[2]["ms"] > 0 and rows[2]["tflops"] > 0
+
+
+def test_missing_library_is_unsupported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` raise ImportError
+    row = bench_run.run_backend(_cpu_case(), make_inputs(_cpu_case(), CPU), dataclasses.replace(
+        BACKENDS["fa2"], cpu=True), CPU, None, 10)
+    assert row["status"].startswith("unsupported: flash_attn not importable")
+
+
+def test_sdpa_refuses_what_it_cannot_do():
+    case = _cpu_case("decode", seqlen_q=1, seqlen_k=40, page_size=16)
+    row = bench_run.run_backend(case, make_inputs(case, CPU), BACKENDS["sdpa-math"], CPU, None, 10)
+    assert row["status"] == "unsupported: SDPA has no paged KV cache"
+
+
+@pytest.mark.parametrize("mode,kw", [
+    ("fwd", {}), ("fwd", {"seqlen_q": 9}), ("decode", {"seqlen_q": 1}),
+    ("decode", {"seqlen_q": 4, "seqlen_k": 50}),
+    # CPU torch has no causal SDPA on nested tensors, and nested SDPA has no GQA.
+    ("varlen", {"seqlens": (5, 24, 11), "batch": 3, "nheads_kv": 4, "causal": False}),
+])
+def test_refcheck_passes_sdpa_and_flags_a_wrong_answer(mode, kw):
+    case = _cpu_case(mode, **kw)
+    inputs = make_inputs(case, CPU)
+    reference = build_reference(case, inputs)
+    prepared = BACKENDS["sdpa-math"].setup(case, inputs)
+    assert check(reference, prepared.output()).ok
+    wrong = prepared.output().clone()
+    wrong[-1, ..., -1, :] += 0.5  # the last batch's (or sequence's) last head: both ends are checked
+    verdict = check(reference, wrong)
+    assert not verdict.ok and str(verdict).startswith("MISMATCH")
+
+
+def test_refcheck_mismatch_is_reported_and_not_a_time_to_beat():
+    def halved(case, inputs):
+        prepared = BACKENDS["sdpa-math"].setup(case, inputs)
+        return Prepared(prepared.run, lambda: prepared.output() * 0.5)
+
+    def flashtile_double(case, inputs):
+        return BACKENDS["sdpa-math"].setup(case, inputs)
+
+    backends = [_fake("flashtile", flashtile_double), _fake("fast-but-wrong", halved)]
+    rows = bench_run.run([_cpu_case()], backends, CPU, refcheck=True, progress=lambda *a: None)
+    assert rows[0]["refcheck"] == "ok" and rows[1]["refcheck"].startswith("MISMATCH")
+    assert rows[0]["vs_best"] is None  # the only other backend failed the check
+
+
+def test_compare_ranks_flashtile_against_the_fastest_other_backend():
+    rows = [{"backend": b, "status": s, "ms": ms, "refcheck": rc} for b, s, ms, rc in (
+        ("flashtile", "ok", 2.0, "ok"), ("a", "ok", 3.0, "ok"), ("b", "ok", 2.5, None),
+        ("c", "unsupported: x", None, None), ("d", "ok", 1.0, "MISMATCH 1>0"))]
+    bench_run.compare(rows)
+    assert rows[0]["vs_best"] == 1.25 and rows[0]["best_other"] == "b"
+
+
+def test_cpu_timing_reports_ordered_quantiles():
+    calls = []
+    t = measure(lambda: calls.append(sum(range(1000))), (), CPU)
+    assert len(calls) >= 4 and 0 < t.p20 <= t.ms <= t.p80
+
+
+def test_cpu_presets_are_small():
+    cases = build_cases(["fwd", "fwdbwd", "decode", "varlen"], CPU_SHAPES, "fp16")
+    assert {c.mode for c in cases} == {"fwd", "fwdbwd", "decode", "varlen"}
+    assert max(c.seqlen_k for c in cases) <= 256 and max(c.nheads * c.batch for c in cases) <= 8

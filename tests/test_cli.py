@@ -1,0 +1,132 @@
+"""The `flashtile` command: argument parsing into cases and backends, the interpreter switch, and a tiny CPU
+run of `bench` and `demo` that writes JSON, CSV and PNG."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import flashtile
+from flashtile import cli
+
+
+def select(argv, gpu=True):
+    parser = cli.build_parser()
+    return cli.select(parser, parser.parse_args(["bench", *argv]), gpu)
+
+
+def test_presets_and_defaults():
+    cases, backends = select([])
+    assert {c.mode for c in cases} == {"fwd", "fwdbwd"} and len(cases) == 72
+    assert [b.name for b in backends][:2] == ["flashtile", "fa4"] and len(backends) == 8
+    cases, backends = select([], gpu=False)
+    assert {c.mode for c in cases} == {"fwd", "fwdbwd", "decode", "varlen"}
+    assert {b.name for b in backends} == {"flashtile", "sdpa-math"} and {c.dtype for c in cases} == {"fp16"}
+    assert {c.mode for c in select(["--preset", "decode"])[0]} == {"decode"}
+
+
+def test_flags_replace_single_axes():
+    cases, _ = select(["--preset", "standard", "--head-dim", "128", "--no-causal", "--mode", "fwd"])
+    assert len(cases) == 6 and {(c.headdim, c.nheads, c.causal) for c in cases} == {(128, 16, False)}
+    cases, _ = select(["--preset", "decode", "--seqlen-k", "8192,65536", "--page-size", "0",
+                       "--seqlen-q", "1"])
+    assert [(c.batch, c.seqlen_k, c.page_size) for c in cases] == [(32, 8192, 0), (4, 65536, 0)]
+
+
+def test_a_fully_specified_custom_case():
+    argv = ["--mode", "fwd", "fwdbwd", "--batch", "3", "--seqlen", "100", "--seqlen-k", "300", "--heads", "8",
+            "--kv-heads", "2", "--head-dim", "96", "--dtype", "fp16", "--causal", "--window", "64,0",
+            "--softcap", "30", "--backends", "flashtile,sdpa-flash"]
+    cases, backends = select(argv)
+    assert [b.name for b in backends] == ["flashtile", "sdpa-flash"]
+    assert [c.mode for c in cases] == ["fwd", "fwdbwd"]
+    c = cases[0]
+    assert (c.batch, c.seqlen_q, c.seqlen_k, c.nheads, c.nheads_kv, c.headdim) == (3, 100, 300, 8, 2, 96)
+    assert (c.dtype, c.causal, c.window_size, c.softcap) == ("fp16", True, (64, 0), 30.0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "sideways"], "unknown mode"),
+    (["--backends", "flashtile,nope"], "unknown backend"),
+    (["--heads", "6", "--kv-heads", "4"], "multiple"),
+])
+def test_bad_arguments_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        select(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_interpreter_switch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert cli._interpret(["bench"]) is True
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    # This process imported flashtile's kernels already (conftest + `import flashtile`): it cannot switch now.
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET"):
+        cli._interpret(["bench"])
+
+
+def test_the_script_restarts_itself_into_the_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(flashtile.__file__)),
+                                         env.get("PYTHONPATH", "")])
+    argv = ["bench", "--mode", "fwd", "--batch", "1", "--seqlen", "16", "--heads", "1", "--head-dim", "16",
+            "--backends", "flashtile"]
+    out = subprocess.run([sys.executable, "-m", "flashtile", *argv], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    # A kernel decorated for the GPU cannot take CPU tensors: the flashtile row (and so the exit status) is ok
+    # only if the process restarted with the interpreter on.
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CPU demonstration" in out.stdout
+
+
+def test_list_backends(capsys):
+    assert cli.main(["bench", "--list-backends"]) == 0
+    assert "flashtile" in capsys.readouterr().out
+
+
+def test_tiny_cpu_run_writes_json_csv_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    paths = {ext: tmp_path / f"out.{ext}" for ext in ("json", "csv", "png")}
+    argv = ["bench", "--mode", "fwd", "--batch", "1", "--seqlen", "32", "--heads", "2", "--head-dim", "32",
+            "--causal", "--refcheck", "--backends", "sdpa-math,flashtile", "--meta", "run=test",
+            "--json", str(paths["json"]), "--csv", str(paths["csv"]), "--plot", str(paths["png"])]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "CPU demonstration" in printed and "sdpa-math" in printed
+
+    record = json.loads(paths["json"].read_text())
+    env = record["environment"]
+    assert env["run"] == "test" and env["torch"] and env["triton"]
+    assert env["flashtile"] == flashtile.__version__
+    assert "CPU demonstration" in env["note"]
+    rows = {r["backend"]: r for r in record["rows"]}
+    assert set(rows) == {"sdpa-math", "flashtile"}
+    math_row = rows["sdpa-math"]
+    assert math_row["status"] == "ok" and math_row["refcheck"] == "ok" and math_row["ms"] > 0
+    assert (math_row["mode"], math_row["seqlen_q"], math_row["causal"]) == ("fwd", 32, True)
+    if rows["flashtile"]["status"] == "ok":
+        assert rows["flashtile"]["best_other"] == "sdpa-math"
+
+    with open(paths["csv"]) as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 2 and {"backend", "ms", "tflops", "gpu", "git_sha"} <= set(table[0])
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    merged = tmp_path / "merged.csv"  # --load: two saved runs reported as one, nothing rerun
+    assert cli.main(["bench", "--load", str(paths["json"]), str(paths["json"]), "--csv", str(merged)]) == 0
+    with open(merged) as f:
+        assert len(list(csv.DictReader(f))) == 4
+
+
+def test_demo_on_cpu(capsys):
+    if not hasattr(flashtile, "flash_attn_func"):
+        pytest.skip("flashtile.flash_attn_func not built yet")
+    assert cli.main(["demo", "--seqlen", "40", "--heads", "1", "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out
+    for name in ("out", "lse", "dq", "dk", "dv", "forward+backward"):
+        assert name in out
