@@ -10,7 +10,7 @@ matplotlib is an optional dependency (the `bench` extra) and is imported only he
 
 from __future__ import annotations
 
-from flashtile.bench.report import headline
+from flashtile.bench.report import headline, make_parent
 
 MODE_TITLES = {"fwd": "Forward", "fwdbwd": "Forward + backward", "varlen": "Varlen forward"}
 
@@ -112,5 +112,5 @@ def plot(path: str, env: dict, rows: list[dict]) -> None:
     if any((r["refcheck"] or "").startswith("MISMATCH") for r in rows):
         title.append("hatched bars: output failed --refcheck")
     fig.suptitle("\n".join(title), fontsize=10)
-    fig.savefig(path, dpi=150)
+    fig.savefig(make_parent(path), dpi=150)
     plt.close(fig)

@@ -102,8 +102,13 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def make_parent(path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 def write_json(path: str, env: dict, rows: list[dict]) -> None:
-    with open(path, "w") as f:
+    with open(make_parent(path), "w") as f:
         json.dump({"environment": env, "rows": rows}, f, indent=1)
         f.write("\n")
 
@@ -119,7 +124,7 @@ def read_json(paths: list[str]) -> tuple[dict, list[dict]]:
 
 def write_csv(path: str, env: dict, rows: list[dict]) -> None:
     columns = list(dict.fromkeys(k for r in rows for k in r)) + list(ENV_COLUMNS)
-    with open(path, "w", newline="") as f:
+    with open(make_parent(path), "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         for r in rows:
