@@ -36,9 +36,10 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     w_a = tl.math.exp2(lse_a - m)
     w_b = tl.math.exp2(lse_b - m)
     w = w_a + w_b
-    w_safe = tl.where(w == 0.0, 1.0, w)
+    empty = w == 0.0
+    w_safe = tl.where(empty, 1.0, w)
     o = o_a * (w_a / w_safe)[:, None] + o_b * (w_b / w_safe)[:, None]
-    return o, m + tl.math.log2(w)
+    return o, tl.where(empty, float("-inf"), m + tl.math.log2(w_safe))
 
 
 @triton.jit

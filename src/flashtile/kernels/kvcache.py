@@ -34,8 +34,11 @@ def cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, row_ok, PAGE
             page = tl.load(BLOCK_TABLE + b * stride_btb + r // page_size)
         else:
             page = tl.load(BLOCK_TABLE + b * stride_btb + r // page_size, mask=row_ok, other=0)
-        return page.to(tl.int64), (r % page_size).to(tl.int64)
-    return cache_b.to(tl.int64), r.to(tl.int64)
+        off = r % page_size
+    else:
+        page = cache_b
+        off = r
+    return page.to(tl.int64), off.to(tl.int64)
 
 
 @triton.jit

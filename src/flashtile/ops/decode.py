@@ -46,7 +46,7 @@ _DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so 
 
 APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
 COMBINE_BLOCK_R = 4 if env.INTERPRET else 16  # rows per combine program
-COMBINE_WARPS = 4
+SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append and combine: one pass, nothing to pipeline
 
 # Split heuristic (num_splits=0), an initial guess: aim for PROGRAMS_PER_SM programs per SM so that enough K/V
 # loads are in flight, give every split at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and cap the
@@ -94,6 +94,20 @@ def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, i
     return block_m, min(span, triton.next_power_of_2(seqlen_q)), triton.cdiv(rows, block_m)
 
 
+def production_configs() -> list[tuple[str, dict, dict]]:
+    """Every (kernel, tile constexprs, launch options) a GPU run can launch; the CPU compile check in
+    tests/test_kvcache.py builds each of them for sm_90."""
+    rows = []
+    for d, cfg in DECODE_TABLE.items():
+        block_m = 16
+        while block_m <= cfg.block_m:
+            rows.append(("decode", {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n}, launch_opts(cfg)))
+            block_m *= 2
+        rows.append(("append_kv", {"BLOCK_D": d, "BLOCK_T": APPEND_BLOCK_T}, SMALL_KERNEL_OPTS))
+        rows.append(("combine", {"BLOCK_D": d, "BLOCK_R": COMBINE_BLOCK_R}, SMALL_KERNEL_OPTS))
+    return rows
+
+
 def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
     """Rows one sequence can hold."""
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
@@ -127,8 +141,7 @@ def append_kv(
         seqlen_new, k_cache.shape[1], rotary_dim,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
         PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved,
-        num_warps=4,
+        HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved, **SMALL_KERNEL_OPTS,
     )
 
 
@@ -151,7 +164,7 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
         *out_partials.stride()[:4], *lse_partials.stride()[:4],
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
         num_splits, seqlen_q, nheads, n_rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=COMBINE_BLOCK_R, num_warps=COMBINE_WARPS,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=COMBINE_BLOCK_R, **SMALL_KERNEL_OPTS,
     )
 
 
