@@ -23,7 +23,7 @@ MASKS = {  # name -> (causal, window_size)
 
 
 def run_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal=False,
-             window_size=(-1, -1), softcap=0.0, alibi=None, seed=0):
+             window_size=(-1, -1), softcap=0.0, alibi=None, seed=0, deterministic=False):
     g = torch.Generator().manual_seed(seed)
     q = nan_guarded((batch, seqlen_q, nheads, head_dim), dtype, device, g)
     k = nan_guarded((batch, seqlen_k, nheads_kv, head_dim), dtype, device, g)
@@ -37,7 +37,7 @@ def run_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dty
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     kw = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
-    out, lse, _ = flashtile.flash_attn_func(*inputs, return_attn_probs=True, **kw)
+    out, lse, _ = flashtile.flash_attn_func(*inputs, return_attn_probs=True, deterministic=deterministic, **kw)
     grads = torch.autograd.grad(out, inputs, dout)
     # The oracle runs on fp64 copies, so its outputs and gradients are not rounded back to the input dtype.
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -60,6 +60,14 @@ def run_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dty
 def test_masks_and_lengths(device, mask, seqlens, dtype):
     causal, window = MASKS[mask]
     run_case(device, 2, *seqlens, 2, 2, 64, dtype, causal, window)
+
+
+@pytest.mark.parametrize("seqlens", [(17, 17), (65, 33), (33, 97)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_deterministic_backward_path(device, mask, seqlens):
+    """deterministic=True takes the dQ kernel instead of atomics; same oracle."""
+    causal, window = MASKS[mask]
+    run_case(device, 2, *seqlens, 4, 2, 64, torch.float16, causal, window, deterministic=True)
 
 
 @pytest.mark.parametrize("head_dim", [8, 32, 40, 64, 96, 128, 256])
@@ -87,9 +95,10 @@ def test_softcap_alibi(device, softcap, alibi, mask):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seqlens", [(65, 33), (33, 97)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_everything_at_once(device, dtype, seqlens):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_everything_at_once(device, dtype, seqlens, deterministic):
     run_case(device, 2, *seqlens, 4, 2, 96, dtype, True, (12, -1), softcap=8.0, alibi="per_batch",
-             seed=3)
+             seed=3, deterministic=deterministic)
 
 
 def test_custom_scale_and_large_logits(device):

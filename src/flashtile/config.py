@@ -27,31 +27,31 @@ class TileConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
 
 
-_H200 = "measured on H200, 2026-11-29, triton 3.6 (PERF.md)"
-_GUESS = "initial guess from the Triton tutorial on Hopper, not yet measured"
+_H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k (PERF.md)"
+_SMALL_D = "d64's measured config, reused for small head dims (not measured separately)"
 
 # kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
 TABLE: dict[str, dict[int, TileConfig]] = {
     "fwd": {
-        16: TileConfig(128, 128, 4, 3, _GUESS),
-        32: TileConfig(128, 128, 4, 3, _GUESS),
-        64: TileConfig(128, 128, 4, 3, _GUESS),
-        128: TileConfig(128, 128, 8, 2, _GUESS),
-        256: TileConfig(128, 64, 8, 2, _GUESS),
+        16: TileConfig(128, 64, 4, 3, _SMALL_D),
+        32: TileConfig(128, 64, 4, 3, _SMALL_D),
+        64: TileConfig(128, 64, 4, 3, _H200),
+        128: TileConfig(64, 64, 4, 3, _H200),
+        256: TileConfig(64, 64, 4, 3, _H200),
     },
     "bwd_dkdv": {
-        16: TileConfig(64, 128, 8, 2, _GUESS),
-        32: TileConfig(64, 128, 8, 2, _GUESS),
-        64: TileConfig(64, 128, 8, 2, _GUESS),
-        128: TileConfig(64, 128, 8, 2, _GUESS),
-        256: TileConfig(32, 64, 8, 2, _GUESS),
+        16: TileConfig(32, 128, 4, 3, _SMALL_D),
+        32: TileConfig(32, 128, 4, 3, _SMALL_D),
+        64: TileConfig(32, 128, 4, 3, _H200),
+        128: TileConfig(64, 64, 4, 2, _H200),
+        256: TileConfig(64, 64, 4, 2, _H200),
     },
     "bwd_dq": {
-        16: TileConfig(128, 64, 8, 2, _GUESS),
-        32: TileConfig(128, 64, 8, 2, _GUESS),
-        64: TileConfig(128, 64, 8, 2, _GUESS),
-        128: TileConfig(128, 64, 8, 2, _GUESS),
-        256: TileConfig(64, 32, 8, 2, _GUESS),
+        16: TileConfig(64, 64, 4, 2, _SMALL_D),
+        32: TileConfig(64, 64, 4, 2, _SMALL_D),
+        64: TileConfig(64, 64, 4, 2, _H200),
+        128: TileConfig(128, 32, 4, 3, _H200),
+        256: TileConfig(64, 64, 4, 2, _H200),
     },
 }
 
@@ -63,12 +63,14 @@ _INTERPRETER = {
 
 # Autotuning search space (FLASHTILE_AUTOTUNE=1), per kernel.
 CANDIDATES: dict[str, list[TileConfig]] = {
-    "fwd": [TileConfig(m, n, w, s) for m, n, w, s in
-            [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3)]],
-    "bwd_dkdv": [TileConfig(m, n, w, s) for m, n, w, s in
-                 [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 4, 2)]],
-    "bwd_dq": [TileConfig(m, n, w, s) for m, n, w, s in
-               [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2)]],
+    "fwd": [TileConfig(m, n, w, st) for m, n, w, st in
+            [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+             (64, 128, 4, 2), (128, 128, 4, 3)]],
+    "bwd_dkdv": [TileConfig(m, n, w, st) for m, n, w, st in
+                 [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2),
+                  (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 8, 2)]],
+    "bwd_dq": [TileConfig(m, n, w, st) for m, n, w, st in
+               [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (128, 128, 8, 2)]],
 }
 
 

@@ -35,15 +35,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
             k = k.to(tl.float32)
         j = (start_n + offs_n)[None, :]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s2, _ = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s, _ = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+            scale = 1.0
+        else:
+            # Plain scores: keep them unscaled and fold qk_scale into the row max and into one FMA in the
+            # exponent below, saving a multiply per score (softmax_scale > 0 is checked at the API).
+            s = qk
+            scale = qk_scale
         if MASKED:
-            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
+            s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         if MASKED:
             # Note [fully masked rows]: a row that has seen only masked keys has max -inf; exp2(-inf - -inf) would
             # be NaN. Any finite reference max is exact (it cancels in the final division), so use 0.
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s2 - m_new[:, None])
+        p = tl.math.exp2(s * scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = v_desc.load([start_n, 0])

@@ -1,0 +1,70 @@
+"""GPU tier (`pytest -m gpu` on the H200): real sizes, bf16/fp16, every feature, and bitwise determinism.
+
+Same oracle as the CPU tier (test_attention.run_case). Skipped without a GPU.
+"""
+
+import pytest
+import torch
+
+import flashtile
+from test_attention import MASKS, run_case
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_real_sizes(device, dtype, head_dim, mask):
+    causal, window = MASKS[mask]
+    window = (256, 0) if mask == "window" else window
+    run_case(device, 2, 2048, 2048, 8, 2, head_dim, dtype, causal, window)
+
+
+@pytest.mark.parametrize("seqlens", [(8192, 8192), (1000, 3000), (3000, 1000), (4097, 4095)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_and_ragged(device, seqlens, causal):
+    run_case(device, 1, *seqlens, 4, 4, 128, torch.bfloat16, causal)
+
+
+@pytest.mark.parametrize("features", ["softcap", "alibi", "all"])
+def test_features_real_size(device, features):
+    kw = dict(softcap=30.0) if features == "softcap" else dict(alibi="per_batch") if features == "alibi" else \
+        dict(causal=True, window_size=(512, -1), softcap=20.0, alibi="per_head")
+    run_case(device, 2, 1537, 2049, 8, 4, 128, torch.bfloat16, **kw)
+
+
+def test_deterministic_backward(device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, 2048, 16, 128, device=device, dtype=torch.bfloat16, generator=g,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    first = None
+    for _ in range(20):
+        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        if first is None:
+            first = (out, *grads)
+        else:
+            for a, b in zip(first, (out, *grads)):
+                assert torch.equal(a, b)
+
+
+def test_long_sequence_memory(device):
+    """B=1, H=16, D=128, S=128k forward+backward runs; memory beyond inputs/outputs/grads is O(S)."""
+    torch.cuda.empty_cache()
+    s = 131072
+    q, k, v = (torch.randn(1, s, 16, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    tensor_bytes = q.numel() * q.element_size()
+    # out + dq + dk + dv are 4 tensors of q's size; lse and delta are S*H fp32 each.
+    assert extra <= 4 * tensor_bytes + 2 * s * 16 * 4 + (64 << 20), f"extra memory {extra / 2**20:.0f} MiB"

@@ -1,0 +1,80 @@
+"""Time every candidate tile config of each prefill kernel on the GPU and print the best per head dim.
+
+bwd_dkdv is scored on the default backward (dK/dV kernel with atomic dQ); bwd_dq on the deterministic backward
+(dK/dV kernel without atomics, then the dQ kernel), which is the only one that launches it.
+
+Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [--seqlen 4096]
+Feeds config.TABLE by hand: each entry there names the run it came from. Shapes follow the standard sweep
+(B*S = 16k tokens, hidden 2048), bf16, causal and not; the score is the geometric mean of TFLOPs over both.
+"""
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+
+from flashtile import config
+from flashtile.ops.bwd import attention_bwd
+from flashtile.ops.fwd import attention_fwd
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--head-dims", default="64,128,256")
+    args = ap.parse_args()
+    rows = []
+    for d in map(int, args.head_dims.split(",")):
+        s, h = args.seqlen, 2048 // d
+        b = max(1, 16384 // s)
+        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        flops = 4 * b * h * s * s * d
+        for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+            best = None
+            for cfg in config.CANDIDATES[kernel]:
+                config.TABLE[kernel][d] = cfg
+                tf = []
+                try:
+                    for causal in (False, True):
+                        wr = 0 if causal else -1
+                        f = flops / (2 if causal else 1)
+                        out, lse = attention_fwd(q, k, v, None, None, None, None, None, s, s, d ** -0.5, -1, wr,
+                                                 0.0, 0, False)
+                        if kernel == "fwd":
+                            ms = bench(lambda: attention_fwd(q, k, v, None, None, None, None, None, s, s,
+                                                             d ** -0.5, -1, wr, 0.0, 0, False))
+                            tf.append(f / ms * 1e-9)
+                        else:
+                            det = kernel == "bwd_dq"
+                            ms = bench(lambda: attention_bwd(do, q, k, v, out, lse, None, None, None, None, None,
+                                                             s, s, d ** -0.5, -1, wr, 0.0, 0, det))
+                            tf.append(2.5 * f / ms * 1e-9)
+                except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
+                    print(f"{kernel} d{d} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                score = math.sqrt(tf[0] * tf[1])
+                rows.append({"kernel": kernel, "head_dim": d, "seqlen": s, "config": [cfg.block_m, cfg.block_n,
+                             cfg.num_warps, cfg.num_stages], "tflops_noncausal": tf[0], "tflops_causal": tf[1]})
+                print(f"{kernel:9s} d{d:<3d} {cfg.block_m:3d}x{cfg.block_n:<3d} w{cfg.num_warps} s{cfg.num_stages}"
+                      f"  {tf[0]:6.1f} / {tf[1]:6.1f} TFLOPs (non-causal / causal)", flush=True)
+                if best is None or score > best[0]:
+                    best = (score, cfg)
+            # Leave the best in place so the bwd kernels are tuned with each other's best; the bwd numbers
+            # printed are for the whole backward (both kernels), so tune dkdv first, then dq.
+            config.TABLE[kernel][d] = best[1]
+            print(f"BEST {kernel} d{d}: {best[1]} ({best[0]:.1f} TFLOPs geo-mean)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
