@@ -148,6 +148,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # decides at which positions q is rotated).
     window_left = -1 if window_left >= cap else window_left
     window_right = -1 if window_right >= cap else window_right
+    if seqlen_q == 1:
+        # A single query row sits on the last key, so a right bound (causal included) hides nothing: dropping it
+        # keeps the common decode step on the kernel variant without masks. Rotary positions are unaffected.
+        window_right = -1
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
     _check_rotary(rotary_cos, rotary_sin, k, q, head_dim, cap, seqlen_q - seqlen_new,

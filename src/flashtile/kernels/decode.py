@@ -10,6 +10,9 @@ every K/V row once and keeping enough programs in flight:
     that batch x KV heads x splits keeps every SM streaming even for one long sequence. The chunks are derived on
     the device from cache_seqlens; the host chooses num_splits from shapes only (no synchronisation). A program
     writes a normalised partial (o, lse) state; combine.py merges them. With one split it writes the final output.
+  - Loads: K/V rows are gathered with pointer loads rather than TMA descriptors, since a paged tile may span
+    pages; each row is HEAD_DIM contiguous elements, so the loads stay 16-byte vectors, and Triton's pipeliner
+    keeps several tiles in flight with cp.async (num_stages; see ops/decode.py for the paged stage count).
 
 Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py for r, capacity, (page, off)):
   L          keys of sequence b: cache_seqlens[b] + S_new - leftpad[b]; logical key j is physical row
@@ -37,14 +40,13 @@ from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
 
 
 @triton.jit
-def _load_kv(ptrs, r, r_lo, r_hi, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A (BLOCK_N, BLOCK_D) tile; in MASKED blocks rows outside [r_lo, r_hi) are not read and load as 0 (a 0 in V
-    times a probability of 0 stays 0, where a stray NaN would not)."""
+def _load_kv(ptrs, row_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) tile. In MASKED blocks rows with row_ok false are not read and load as 0: a 0 in V
+    times a probability of 0 stays 0, where a stray NaN would not."""
     if MASKED:
-        mask = ((r >= r_lo) & (r < r_hi))[:, None]
         if HEAD_DIM < BLOCK_D:
-            mask = mask & (d < HEAD_DIM)
-        return tl.load(ptrs, mask=mask, other=0.0)
+            return tl.load(ptrs, mask=row_ok[:, None] & (d < HEAD_DIM), other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     if HEAD_DIM < BLOCK_D:
         return tl.load(ptrs, mask=d < HEAD_DIM, other=0.0)
     return tl.load(ptrs)
@@ -60,13 +62,13 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
     offs_n = tl.arange(0, BLOCK_N)
     for start in tl.range(lo, hi, BLOCK_N):
         r = start + offs_n
+        row_ok = (r >= r_lo) & (r < r_hi)  # the sequence's own rows; only MASKED blocks use (and compute) it
         if MASKED:
-            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size,
-                                     (r >= r_lo) & (r < r_hi), PAGED)
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, row_ok, PAGED)
         else:
             page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, None, PAGED)
-        k = _load_kv(K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d,
-                     r, r_lo, r_hi, d, MASKED, HEAD_DIM, BLOCK_D)
+        k = _load_kv(K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d, row_ok, d,
+                     MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
         j = (r - r_lo)[None, :]  # logical key index
@@ -80,8 +82,8 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         p = tl.math.exp2(s2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d,
-                     r, r_lo, r_hi, d, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d, row_ok, d,
+                     MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])

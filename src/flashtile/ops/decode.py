@@ -47,6 +47,7 @@ _DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so 
 APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
 COMBINE_BLOCK_R = 4 if env.INTERPRET else 16  # rows per combine program
 SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append and combine: one pass, nothing to pipeline
+PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0), an initial guess: aim for PROGRAMS_PER_SM programs per SM so that enough K/V
 # loads are in flight, give every split at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and cap the
@@ -94,6 +95,16 @@ def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, i
     return block_m, min(span, triton.next_power_of_2(seqlen_q)), triton.cdiv(rows, block_m)
 
 
+def decode_launch_opts(cfg: TileConfig, paged: bool) -> dict:
+    """Triton's software pipeliner gives the block-table load a stage of its own and the K/V loads that depend on
+    it fewer buffers: on sm_90 (see the compile check) contiguous caches get 2 K/V tiles in flight at num_stages=3,
+    paged ones 1 at 3 or 4 stages and 2 at 5. PAGED_EXTRA_STAGES keeps the paged read depth equal."""
+    opts = launch_opts(cfg)
+    if paged:
+        opts["num_stages"] += PAGED_EXTRA_STAGES
+    return opts
+
+
 def production_configs() -> list[tuple[str, dict, dict]]:
     """Every (kernel, tile constexprs, launch options) a GPU run can launch; the CPU compile check in
     tests/test_kvcache.py builds each of them for sm_90."""
@@ -101,7 +112,9 @@ def production_configs() -> list[tuple[str, dict, dict]]:
     for d, cfg in DECODE_TABLE.items():
         block_m = 16
         while block_m <= cfg.block_m:
-            rows.append(("decode", {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n}, launch_opts(cfg)))
+            for paged in (False, True):
+                tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "PAGED": paged}
+                rows.append(("decode", tile, decode_launch_opts(cfg, paged)))
             block_m *= 2
         rows.append(("append_kv", {"BLOCK_D": d, "BLOCK_T": APPEND_BLOCK_T}, SMALL_KERNEL_OPTS))
         rows.append(("combine", {"BLOCK_D": d, "BLOCK_R": COMBINE_BLOCK_R}, SMALL_KERNEL_OPTS))
@@ -233,7 +246,8 @@ def decode(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
         GROUP=group, PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
-        ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _MASK_FLAGS}, **launch_opts(cfg),
+        ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _MASK_FLAGS},
+        **decode_launch_opts(cfg, block_table is not None),
     )
     if num_splits > 1:
         combine_into(o_part, lse_part, out, lse)
