@@ -22,7 +22,7 @@ from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
-FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "DQ_ACC"}
+FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
@@ -60,8 +60,6 @@ def main(argv):
     for kernel, d, cfg in production_configs():
         for flag_name, flags in flag_sets.items():
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
-            if kernel == "bwd_dkdv":
-                consts["ATOMIC_DQ"] = flag_name == "dense"  # the default schedule, and the deterministic one
             c = compile_kernel(KERNELS[kernel], consts, cfg.num_warps, cfg.num_stages)
             ptx = c.asm["ptx"]
             print(json.dumps({"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,

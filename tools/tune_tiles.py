@@ -1,7 +1,5 @@
 """Time every candidate tile config of each prefill kernel on the GPU and print the best per head dim.
-
-bwd_dkdv is scored on the default backward (dK/dV kernel with atomic dQ); bwd_dq on the deterministic backward
-(dK/dV kernel without atomics, then the dQ kernel), which is the only one that launches it.
+The backward kernels are scored on the whole backward (preprocess, dK/dV, dQ), so tune dK/dV first, then dQ.
 
 Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [--seqlen 4096]
 Feeds config.TABLE by hand: each entry there names the run it came from. Shapes follow the standard sweep
@@ -29,6 +27,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq")
     args = ap.parse_args()
     rows = []
     for d in map(int, args.head_dims.split(",")):
@@ -36,7 +35,7 @@ def main():
         b = max(1, 16384 // s)
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         flops = 4 * b * h * s * s * d
-        for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        for kernel in args.kernels.split(","):
             best = None
             for cfg in config.CANDIDATES[kernel]:
                 config.TABLE[kernel][d] = cfg
@@ -46,15 +45,14 @@ def main():
                         wr = 0 if causal else -1
                         f = flops / (2 if causal else 1)
                         out, lse = attention_fwd(q, k, v, None, None, None, None, None, s, s, d ** -0.5, -1, wr,
-                                                 0.0, 0, False)
+                                                 0.0, 0)
                         if kernel == "fwd":
                             ms = bench(lambda: attention_fwd(q, k, v, None, None, None, None, None, s, s,
-                                                             d ** -0.5, -1, wr, 0.0, 0, False))
+                                                             d ** -0.5, -1, wr, 0.0, 0))
                             tf.append(f / ms * 1e-9)
                         else:
-                            det = kernel == "bwd_dq"
                             ms = bench(lambda: attention_bwd(do, q, k, v, out, lse, None, None, None, None, None,
-                                                             s, s, d ** -0.5, -1, wr, 0.0, 0, det))
+                                                             s, s, d ** -0.5, -1, wr, 0.0, 0))
                             tf.append(2.5 * f / ms * 1e-9)
                 except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                     print(f"{kernel} d{d} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
@@ -66,9 +64,7 @@ def main():
                       f"  {tf[0]:6.1f} / {tf[1]:6.1f} TFLOPs (non-causal / causal)", flush=True)
                 if best is None or score > best[0]:
                     best = (score, cfg)
-            # Leave the best in place so the bwd kernels are tuned with each other's best; the bwd numbers
-            # printed are for the whole backward (both kernels), so tune dkdv first, then dq.
-            config.TABLE[kernel][d] = best[1]
+            config.TABLE[kernel][d] = best[1]  # so that dQ is tuned beside the best dK/dV
             print(f"BEST {kernel} d{d}: {best[1]} ({best[0]:.1f} TFLOPs geo-mean)", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -22,7 +22,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, cu_q, cu_k, used_q, used_k, alibi, out, lse = ctx.saved_tensors
-    packing = ctx.scalars[-2]  # (..., packing, deterministic)
+    packing = ctx.scalars[-1]
     grads = attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi, *ctx.scalars)
     if packing == PACK_QKV:
         dq, dk, dv = grads[0], None, None

@@ -33,9 +33,9 @@ _SMALL_D = "d64's measured config, reused for small head dims (not measured sepa
 # kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
 TABLE: dict[str, dict[int, TileConfig]] = {
     "fwd": {
-        16: TileConfig(128, 64, 4, 3, _SMALL_D),
-        32: TileConfig(128, 64, 4, 3, _SMALL_D),
-        64: TileConfig(128, 64, 4, 3, _H200),
+        16: TileConfig(64, 64, 4, 2, _SMALL_D),
+        32: TileConfig(64, 64, 4, 2, _SMALL_D),
+        64: TileConfig(64, 64, 4, 2, _H200),
         128: TileConfig(64, 64, 4, 3, _H200),
         256: TileConfig(64, 64, 4, 3, _H200),
     },
@@ -67,10 +67,11 @@ CANDIDATES: dict[str, list[TileConfig]] = {
             [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
              (64, 128, 4, 2), (128, 128, 4, 3)]],
     "bwd_dkdv": [TileConfig(m, n, w, st) for m, n, w, st in
-                 [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2),
-                  (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 8, 2)]],
+                 [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+                  (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]],
     "bwd_dq": [TileConfig(m, n, w, st) for m, n, w, st in
-               [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (128, 128, 8, 2)]],
+               [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+                (64, 64, 8, 2), (32, 32, 4, 2)]],
 }
 
 

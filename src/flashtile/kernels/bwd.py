@@ -4,12 +4,10 @@ Three kernels, each its own parallelisation:
   _bwd_preprocess_kernel  delta = rowsum(dO * O) per query row (fp32), one program per (query tile, head, seq).
   _bwd_dkdv_kernel        one program per (key tile, KV head, seq). It holds K, V and the dK, dV accumulators on
                           chip and walks the query tiles of every query head in its GQA group, so dK/dV are summed
-                          over the group in registers, without atomics. With ATOMIC_DQ it also adds each tile's
-                          dS K into an fp32 dQ buffer with atomics: 5 matmuls per tile pair in all, the fastest
-                          schedule, but the order of the additions varies from run to run.
-  _bwd_dq_kernel          one program per (query tile, query head, seq), walking key tiles like the forward: dQ
-                          recomputed without atomics (2 more matmuls per tile pair), bitwise deterministic. Used
-                          when deterministic=True.
+                          over the group in registers: no atomics, bitwise deterministic.
+  _bwd_dq_kernel          one program per (query tile, query head, seq), walking key tiles like the forward. dQ
+                          is recomputed here rather than accumulated with atomics from the dK/dV kernel: two
+                          extra matmuls per tile pair, but deterministic and free of an fp32 dQ buffer.
 
 Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse * log2(e):
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
@@ -56,10 +54,9 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, DQ_H, stride_dqm, j, lo, hi,
+def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
                     seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
@@ -86,31 +83,25 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, DQ_H, stride_
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION)
-            offs_d = tl.arange(0, BLOCK_D)
-            tl.atomic_add(DQ_H + rows[:, None] * stride_dqm + offs_d[None, :], dq, sem="relaxed",
-                          mask=(rows < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :])
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_dqab, stride_dqam, stride_dqah,
     stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k,
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -148,21 +139,17 @@ def _bwd_dkdv_kernel(
                                             block_shape=[BLOCK_M, BLOCK_D])
         LSE_H = LSE + b64 * stride_lb + h * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        DQ_H = DQ_ACC + b64 * stride_dqab + q_start * stride_dqam + h * stride_dqah
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, DQ_H, stride_dqam, j,
-                                 lo, full_lo, seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                                 BLOCK_M, BLOCK_D, HEAD_DIM, True, ATOMIC_DQ,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, DQ_H, stride_dqam, j,
-                                 full_lo, full_hi, seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                                 BLOCK_M, BLOCK_D, HEAD_DIM, False, ATOMIC_DQ,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, False,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, DQ_H, stride_dqam, j,
-                                 full_hi, hi, seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                                 BLOCK_M, BLOCK_D, HEAD_DIM, True, ATOMIC_DQ,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + k_start * stride_dkn + hk * stride_dkh,
                                         shape=[seqlen_k, HEAD_DIM], strides=[stride_dkn, 1],

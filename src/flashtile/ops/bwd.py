@@ -1,10 +1,8 @@
 """Backward launcher and the `flashtile::bwd` custom op: preprocess (delta), dK/dV, then dQ.
 
 Grids: preprocess and dQ are (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles,
-KV heads, sequences) and each program loops over its GQA group, so dK/dV are never reduced across programs.
-dQ is, by default, accumulated by the dK/dV kernel with fp32 atomics (fewest matmuls); with deterministic=True
-the dQ kernel recomputes it instead and the whole backward is bitwise reproducible. Packed inputs get their
-gradients written into one buffer of the packed shape.
+KV heads, sequences) and each program loops over its GQA group, so nothing is reduced across programs and the
+result is bitwise reproducible. Packed inputs get their gradients written into one buffer of the packed shape.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def attention_bwd(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, packing: int, deterministic: bool,
+    softcap: float, packing: int,
 ) -> list[torch.Tensor]:
     """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv]."""
     grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
@@ -83,17 +81,12 @@ def attention_bwd(
                       *bmh_strides(dout, varlen))
     tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
 
-    # dQ accumulates here in fp32 when atomics are allowed; otherwise the kernel never touches this argument.
-    dq_acc = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cfg = tile_config("bwd_dkdv", head_dim)
     _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)](
-        q, k, v, dout, dk, dv, dq_acc, lse, delta, alibi_slopes, *seq_args,
-        *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *bmh_strides(dq_acc, varlen), *tail,
-        **common, **cfg.kwargs(), ATOMIC_DQ=not deterministic, **launch_opts(cfg),
+        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args,
+        *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail,
+        **common, **cfg.kwargs(), **launch_opts(cfg),
     )
-    if not deterministic:
-        dq.copy_(dq_acc.mul_(softmax_scale))
-        return grads
     cfg = tile_config("bwd_dq", head_dim)
     _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
         q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args,
@@ -105,7 +98,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q,
-      max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing, deterministic):
+      max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing):
     if packing == PACK_QKV:
         return [q.new_empty(q.shape)]
     if packing == PACK_KV:

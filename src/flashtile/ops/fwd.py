@@ -40,12 +40,9 @@ def attention_fwd(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, packing: int, deterministic: bool,
+    softcap: float, packing: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q).
-
-    `deterministic` does not change the forward; it is carried here for the backward (autograd.py).
-    """
+    """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q)."""
     q, k, v = unpack(*(tma_ready(t) if t is not None else None for t in (q, k, v)), packing)
     varlen = cu_seqlens_q is not None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -76,7 +73,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, packing, deterministic):
+      softmax_scale, window_left, window_right, softcap, packing):
     q, _, _ = unpack(q, k, v, packing)
     varlen = cu_seqlens_q is not None
     return (q.new_empty(q.shape), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))
