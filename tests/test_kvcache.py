@@ -458,7 +458,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     FP32_PTRS = {"LSE", "ALIBI", "O_PARTIAL", "LSE_PARTIAL"}
     ALL_ON = dict(PAGED=True, HAS_BATCH_IDX=True, HAS_LEFTPAD=True, HAS_ROTARY=True, ROTARY_INTERLEAVED=False,
                   MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False)
-    ALL_OFF = {k: False for k in ALL_ON}
+    ALL_OFF = dict({k: False for k in ALL_ON}, DOT_PRECISION="tf32")
+    ALL_ON["DOT_PRECISION"] = "tf32"
 
     def build(fn, constexprs, options, dtype, out_dtype):
         signature, attrs = {}, {}
@@ -485,13 +486,13 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         if kernel == "decode":
             largest = max(t["BLOCK_M"] for k, t, _ in production_configs()
                           if k == "decode" and t["BLOCK_D"] == head_dim)
-            # Every flag on is a superset of the code; every flag off is the hot contiguous path. The largest
-            # tile in fp32 is the most shared memory (twice the bytes per pipelined K/V buffer).
+            # Every flag on is a superset of the code; every flag off is the hot contiguous path, with fp32
+            # partial outputs. The largest tile in fp32 is the most shared memory (twice the bytes per K/V
+            # buffer); paged adds only its block-table buffers (< 1 KB), and an fp32 build takes ~20 s.
             variants.append(("bf16", "bf16", dict(ALL_ON, **tile)))
-            if tile["BLOCK_M"] == largest:
-                variants.append(("fp32", "fp32", dict(ALL_OFF, **tile)))
-                if not tile["PAGED"]:
-                    variants.append(("bf16", "fp32", dict(ALL_OFF, **tile)))
+            if tile["BLOCK_M"] == largest and not tile["PAGED"]:
+                variants.append(("bf16", "fp32", dict(ALL_OFF, **tile)))
+                variants.append(("fp32", "fp32", dict(ALL_OFF, DOT_PRECISION="ieee", **tile)))
             extra = dict(HEAD_DIM=head_dim, BLOCK_T=4, GROUP=4)
         elif kernel == "append_kv":
             variants = [(dt, dt, dict(tile, PAGED=True, HAS_BATCH_IDX=False, HAS_ROTARY=True,

@@ -24,10 +24,12 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
              cannot be zero-padded, it is the caller's tensor).
   acc, m_i, l_i   the online softmax state, as in fwd.py.
   UPCAST     compute on fp32 copies of bf16 tiles: only under the CPU interpreter, which cannot compute on bf16.
+  DOT_PRECISION   "ieee" for fp32 inputs (true fp32 products), "tf32" otherwise; from problem.kernel_flags.
 
 Flags that change the code: PAGED (row translation through the block table), HAS_BATCH_IDX, HAS_LEFTPAD,
 HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position cache_seqlens + t when
-the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST.
+the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+DOT_PRECISION.
 Never reads a row outside [leftpad, cache_seqlens + S_new) of its sequence, nor a block-table entry for one.
 Does not write the cache (kvcache.py appends) and has no backward.
 """
@@ -58,7 +60,8 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb, page_size,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                   PAGED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in tl.range(lo, hi, BLOCK_N):
         r = start + offs_n
@@ -72,7 +75,8 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         if UPCAST:
             k = k.to(tl.float32)
         j = (r - r_lo)[None, :]  # logical key index
-        s2, _ = logits(tl.dot(q, tl.trans(k)), i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s2, _ = logits(s, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
@@ -86,7 +90,7 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
                      MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -107,7 +111,7 @@ def _decode_kernel(
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
     # M tiles of one split are neighbours in launch order, so they share the split's K/V through L2.
@@ -173,20 +177,20 @@ def _decode_kernel(
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh, stride_btb, page_size,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
-                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, MASK_LEFT, MASK_RIGHT,
-                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh, stride_btb, page_size,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
-                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST)
+                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state
     # (o = 0, lse = +inf, flash-attn's convention for rows without keys, which combine.merge_states reads as empty).

@@ -59,7 +59,7 @@ _INTERPRETER_SMS = 4  # a pretend small GPU, so that auto-splitting engages on t
 
 
 # The subset of problem.kernel_flags that the decode kernel takes (it has no varlen query and no seqused).
-_MASK_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST")
+_SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST", "DOT_PRECISION")
 
 
 def decode_config(head_dim: int) -> TileConfig:
@@ -246,7 +246,7 @@ def decode(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
         GROUP=group, PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
-        ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _MASK_FLAGS},
+        ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _SHARED_FLAGS},
         **decode_launch_opts(cfg, block_table is not None),
     )
     if num_splits > 1:
