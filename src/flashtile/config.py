@@ -44,13 +44,13 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         32: TileConfig(32, 128, 4, 3, _SMALL_D),
         64: TileConfig(32, 128, 4, 3, _H200),
         128: TileConfig(64, 64, 4, 2, _H200),
-        256: TileConfig(64, 64, 4, 2, _H200),
+        256: TileConfig(32, 64, 8, 2, _H200),
     },
     "bwd_dq": {
         16: TileConfig(64, 64, 4, 2, _SMALL_D),
         32: TileConfig(64, 64, 4, 2, _SMALL_D),
         64: TileConfig(64, 64, 4, 2, _H200),
-        128: TileConfig(128, 32, 4, 3, _H200),
+        128: TileConfig(64, 64, 4, 2, _H200),
         256: TileConfig(64, 64, 4, 2, _H200),
     },
 }
