@@ -1,0 +1,180 @@
+"""The public API's contract: argument checking, packed variants, layouts, special rows, and torch.compile."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.testing import attention_ref, check_close, nan_guarded
+
+
+def qkv(device, b=2, sq=33, sk=40, h=4, hk=2, d=32, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, sq, h, d, generator=g).to(device, dtype),
+            torch.randn(b, sk, hk, d, generator=g).to(device, dtype),
+            torch.randn(b, sk, hk, d, generator=g).to(device, dtype))
+
+
+def grads(fn, inputs, dout):
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    return (out, *torch.autograd.grad(out, inputs, dout))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v: (q[0], k, v), "q must have 4 dimensions"),
+    (lambda q, k, v: (q, k.float(), v), "k has dtype"),
+    (lambda q, k, v: (q.int(), k, v), "q has dtype"),
+    (lambda q, k, v: (q, k, v[:, :-1]), "k and v must have the same shape"),
+    (lambda q, k, v: (q, k[:1], v[:1]), "batch sizes differ"),
+    (lambda q, k, v: (q[:, :, :3], k, v), "multiple of the number of key/value heads"),
+    (lambda q, k, v: (q, k[..., :16], v[..., :16]), "same head_dim"),
+    (lambda q, k, v: (q.transpose(1, 3), k, v), "must have unit stride"),
+    (lambda q, k, v: ([q], k, v), "q must be a torch.Tensor"),
+])
+def test_bad_tensors(device, bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        flashtile.flash_attn_func(*bad(*qkv(device)))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(dropout_p=0.1), NotImplementedError, "dropout"),
+    (dict(dropout_p=1.5), ValueError, "dropout_p"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    (dict(softmax_scale=-0.5), ValueError, "softmax_scale"),
+    (dict(window_size=(4,)), ValueError, "window_size"),
+    (dict(window_size=(-3, 2)), ValueError, "window_size"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "alibi_slopes"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+])
+def test_bad_arguments(device, kwargs, exc, match):
+    if isinstance(kwargs.get("alibi_slopes"), torch.Tensor):
+        kwargs = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"].to(device))
+    with pytest.raises(exc, match=match):
+        flashtile.flash_attn_func(*qkv(device), **kwargs)
+
+
+def test_head_dim_too_large(device):
+    q = torch.randn(1, 4, 1, 264, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim"):
+        flashtile.flash_attn_func(q, q, q)
+
+
+def test_return_attn_probs(device):
+    q, k, v = qkv(device)
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+    assert s_dmask.numel() == 0
+    assert flashtile.flash_attn_func(q, k, v).shape == q.shape
+
+
+def test_inputs_not_modified(device):
+    q, k, v = qkv(device)
+    copies = [t.clone() for t in (q, k, v)]
+    flashtile.flash_attn_func(q, k, v, causal=True)
+    for a, b in zip((q, k, v), copies):
+        assert torch.equal(a, b)
+
+
+def test_qkvpacked_matches_separate_and_grads_one_buffer(device):
+    g = torch.Generator().manual_seed(2)
+    qkv_t = torch.randn(2, 37, 3, 2, 32, generator=g).to(device, torch.float16).requires_grad_()
+    dout = torch.randn(2, 37, 2, 32, generator=g).to(device, torch.float16)
+    out = flashtile.flash_attn_qkvpacked_func(qkv_t, causal=True)
+    (dqkv,) = torch.autograd.grad(out, qkv_t, dout)
+    ref = grads(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True), qkv_t.unbind(2), dout)
+    assert torch.equal(out, ref[0])
+    assert dqkv.shape == qkv_t.shape
+    for i in range(3):
+        assert torch.equal(dqkv[:, :, i], ref[1 + i])
+
+
+def test_packed_backward_writes_one_buffer(device):
+    """The backward op itself returns one gradient tensor for packed inputs (no concatenation afterwards)."""
+    from flashtile.ops.bwd import attention_bwd
+    from flashtile.ops.fwd import attention_fwd
+    qkv_t = torch.randn(1, 20, 3, 2, 16, device=device, dtype=torch.float16)
+    out, lse = attention_fwd(qkv_t, None, None, None, None, None, None, None, 20, 20, 0.25, -1, -1, 0.0, 1)
+    grads_ = attention_bwd(torch.randn_like(out), qkv_t, None, None, out, lse, None, None, None, None, None,
+                           20, 20, 0.25, -1, -1, 0.0, 1)
+    assert len(grads_) == 1 and grads_[0].shape == qkv_t.shape
+
+
+def test_kvpacked_matches_separate(device):
+    q, k, v = qkv(device, seed=3)
+    kv = torch.stack([k, v], dim=2)
+    dout = torch.randn_like(q)
+    out, dq, dkv = grads(lambda q_, kv_: flashtile.flash_attn_kvpacked_func(q_, kv_, window_size=(6, 3)),
+                         (q, kv), dout)
+    ref = grads(lambda q_, k_, v_: flashtile.flash_attn_func(q_, k_, v_, window_size=(6, 3)), (q, k, v), dout)
+    assert torch.equal(out, ref[0]) and torch.equal(dq, ref[1])
+    assert torch.equal(dkv[:, :, 0], ref[2]) and torch.equal(dkv[:, :, 1], ref[3])
+
+
+def test_non_contiguous_and_misaligned_layouts(device):
+    """(B, H, S, D) storage viewed as (B, S, H, D), and a view starting at an odd element offset (not 16-byte
+    aligned: the launcher copies it) give the same result as contiguous inputs."""
+    q, k, v = qkv(device, h=2, hk=2)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    buf = torch.empty(k.numel() + 1, device=device, dtype=k.dtype)
+    k_odd = buf[1:].view(k.shape)
+    k_odd.copy_(k)
+    assert k_odd.data_ptr() % 16 != 0
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(flashtile.flash_attn_func(q_t, k_odd, v, causal=True), expected)
+
+
+def test_fully_masked_rows_are_zero_without_nan(device):
+    # seqlen_q > seqlen_k with causal: the first Sq - Sk rows see no key.
+    q, k, v = nan_guarded((1, 40, 2, 32), torch.float16, device), *(
+        nan_guarded((1, 9, 2, 32), torch.float16, device) for _ in range(2))
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flashtile.flash_attn_func(*inputs, causal=True, return_attn_probs=True)
+    out.backward(torch.randn_like(out))
+    assert torch.all(out[:, :31] == 0) and torch.all(lse[:, :, :31] == float("inf"))
+    assert torch.isfinite(lse[:, :, 31:]).all()
+    for t in inputs:
+        assert torch.isfinite(t.grad).all()
+
+
+def test_rows_of_p_sum_to_one(device):
+    """With v = 1 everywhere the output is exactly the row sum of P: 1 for every row that sees a key."""
+    q, k, _ = qkv(device, sq=50, sk=50, h=2, hk=2)
+    out = flashtile.flash_attn_func(q, k, torch.ones_like(k), window_size=(5, 0), softcap=3.0)
+    torch.testing.assert_close(out.float(), torch.ones_like(out, dtype=torch.float32), atol=2e-3, rtol=0)
+
+
+def test_head_dim_padding_and_default_scale(device):
+    """head_dim 20 runs padded to 24, with the default scale of the unpadded head dim."""
+    q, k, v = qkv(device, d=20)
+    out = flashtile.flash_attn_func(q, k, v)
+    ref, _ = attention_ref(q.double(), k.double(), v.double())
+    pt, _ = attention_ref(q, k, v, upcast=False)
+    assert out.shape == q.shape
+    check_close("out", out, ref, pt, 2)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_torch_compile_fullgraph(device, backend):
+    torch._dynamo.reset()
+    q, k, v = qkv(device)
+    dout = torch.randn_like(q)
+
+    def f(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    got = grads(compiled, (q, k, v), dout)
+    want = grads(f, (q, k, v), dout)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_opcheck(device):
+    from flashtile.ops.fwd import attention_fwd
+    q, k, v = qkv(device, sq=17, sk=23)
+    args = (q, k, v, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0)
+    torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor",
+                                                            "test_autograd_registration"))
