@@ -93,7 +93,8 @@ def format_table(rows: list[dict]) -> str:
             r["mode"] if first else "", r["case"] if first else "", r["backend"],
             f"{r['ms']:.3f}" if ok else "-", f"{r['p20']:.3f}-{r['p80']:.3f}" if ok else "",
             _speed(r), r["refcheck"] or "",
-            f"{r['vs_best']:.3g}x {r['best_other']}" if r.get("vs_best") else "", "" if ok else r["status"],
+            f"{r['vs_best']:.3g}x {r['best_other']}" if r.get("vs_best") else "",
+            r["status"] if not ok else r["timer"] if r.get("timer") not in (None, "events", "cpu") else "",
         ))
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -43,7 +43,7 @@ def _status(e: BaseException, caught: list) -> str:
 def run_backend(case: Case, inputs, backend: Backend, device: torch.device, reference, rep_ms: int) -> dict:
     row = {"backend": backend.name, "case": case.label(), **case.fields(), "status": "ok"}
     row |= dict.fromkeys(("ms", "p20", "p80", "tflops", "tbps", "refcheck", "ref_err", "ref_bound", "vs_best",
-                          "best_other"))
+                          "best_other", "timer"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -54,14 +54,14 @@ def run_backend(case: Case, inputs, backend: Backend, device: torch.device, refe
                 with torch.no_grad():
                     verdict = check(reference, prepared.output())
                 row.update(refcheck=str(verdict), ref_err=verdict.err, ref_bound=verdict.bound)
-            t = measure(prepared.run, prepared.leaves, device, rep_ms)
+            t = measure(prepared.run, prepared.leaves, device, rep_ms, graph=case.mode == "decode")
         except Exception as e:  # noqa: BLE001  (a failing backend is a row, never a crash)
             row["status"] = _status(e, caught)
             if isinstance(e, torch.OutOfMemoryError):
                 torch.cuda.empty_cache()
             return row
     seconds = t.ms * 1e-3
-    row.update(ms=t.ms, p20=t.p20, p80=t.p80, tflops=timed_flops(case) / seconds / 1e12)
+    row.update(ms=t.ms, p20=t.p20, p80=t.p80, timer=t.timer, tflops=timed_flops(case) / seconds / 1e12)
     if case.mode == "decode":
         row["tbps"] = kv_bytes(case) / seconds / 1e12
     return row
