@@ -68,3 +68,9 @@ def test_long_sequence_memory(device):
     tensor_bytes = q.numel() * q.element_size()
     # out + dq + dk + dv are 4 tensors of q's size; lse and delta are S*H fp32 each.
     assert extra <= 4 * tensor_bytes + 2 * s * 16 * 4 + (64 << 20), f"extra memory {extra / 2**20:.0f} MiB"
+
+
+def test_autotune_path(device, monkeypatch):
+    """FLASHTILE_AUTOTUNE=1 picks tiles by timing config.CANDIDATES; results must not change beyond rounding."""
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    run_case(device, 2, 1024, 1024, 8, 2, 128, torch.bfloat16, causal=True)

@@ -15,7 +15,7 @@ import triton
 from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, head_dims, launch_opts, prepare_launch,
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch,
                      tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 
@@ -81,17 +81,15 @@ def attention_bwd(
                       *bmh_strides(dout, varlen))
     tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
 
-    cfg = tile_config("bwd_dkdv", head_dim)
-    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)](
+    launch(
+        _bwd_dkdv_kernel, "bwd_dkdv", head_dim, lambda _, block_n: (triton.cdiv(seqlen_k, block_n), nheads_kv, batch),
         q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args,
-        *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail,
-        **common, **cfg.kwargs(), **launch_opts(cfg),
+        *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
     )
-    cfg = tile_config("bwd_dq", head_dim)
-    _bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
+    launch(
+        _bwd_dq_kernel, "bwd_dq", head_dim, lambda block_m, _: (triton.cdiv(seqlen_q, block_m), nheads, batch),
         q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args,
-        *strides_qkv_do, *bmh_strides(dq, varlen), *tail,
-        **common, **cfg.kwargs(), **launch_opts(cfg),
+        *strides_qkv_do, *bmh_strides(dq, varlen), *tail, **common,
     )
     return grads
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
 from .. import env
-from ..config import TileConfig, block_d
+from ..config import CANDIDATES, TileConfig, block_d, tile_config
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -59,6 +61,31 @@ def prepare_launch(t: torch.Tensor) -> None:
 
 def launch_opts(cfg: TileConfig) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+# What a tuned config may depend on: the head dim, the dtype (Triton adds argument dtypes to the key itself) and
+# the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
+# problem class serves every length.
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI"]
+
+
+@functools.cache
+def _autotuned(kernel, name: str):
+    configs = [triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in CANDIDATES[name]]
+    return triton.autotune(configs=configs, key=_TUNE_KEY, cache_results=True)(kernel)
+
+
+def launch(kernel, name: str, head_dim: int, grid, *args, **kwargs) -> None:
+    """Launch `kernel` with the tile config of `name` (config.py) and grid(BLOCK_M, BLOCK_N).
+
+    With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
+    class; Triton caches the choice on disk). The interpreter always uses the table.
+    """
+    if env.autotune() and not env.INTERPRET:
+        _autotuned(kernel, name)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
+        return
+    cfg = tile_config(name, head_dim)
+    kernel[grid(cfg.block_m, cfg.block_n)](*args, **kwargs, **cfg.kwargs(), **launch_opts(cfg))
 
 
 def head_dims(head_dim: int) -> dict:

@@ -11,11 +11,9 @@ from typing import Optional
 import torch
 import triton
 
-from ..config import tile_config
 from ..kernels.fwd import _attn_fwd_kernel
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, head_dims, launch_opts, prepare_launch, tma_ready,
-                     unpack)
+from .common import alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch, tma_ready, unpack
 
 
 def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -56,17 +54,16 @@ def attention_fwd(
     seqlen_q = max_seqlen_q if varlen else q.shape[1]
     seqlen_k = max_seqlen_k if varlen else k.shape[1]
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    cfg = tile_config("fwd", head_dim)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
                          seqused_q is not None, seqused_k is not None, q.dtype)
     prepare_launch(q)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
-    _attn_fwd_kernel[grid](
+    launch(
+        _attn_fwd_kernel, "fwd", head_dim, lambda block_m, _: (triton.cdiv(seqlen_q, block_m), nheads, batch),
         q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         *bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen), *bmh_strides(out, varlen),
         *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
         seqlen_q, seqlen_k, qk_scale, softcap2, window_left, window_right,
-        GROUP=nheads // nheads_kv, **head_dims(head_dim), **cfg.kwargs(), **flags, **launch_opts(cfg),
+        GROUP=nheads // nheads_kv, **head_dims(head_dim), **flags,
     )
     return out, lse
 
