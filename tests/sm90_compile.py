@@ -18,20 +18,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from flashtile.config import production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
+from flashtile.kernels.seqlen import MAX_SORT, _seq_order_kernel  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
-I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
+I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SEQ_ORDER", "BLOCK_TABLE", "CU_SEQLENS",
+                "SEQUSED", "ORDER"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
-            "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K"}
+            "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SEQ_ORDER": "IS_VARLEN",
+            "BLOCK_TABLE": "PAGED", "SEQUSED": "HAS_SEQUSED"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16"):
-    signature, consts = {}, dict(constexprs)
-    for name in fn.arg_names:
+    # Pointers and K/V strides get the 16-divisibility Triton's launcher specialises on for aligned tensors, so that
+    # pointer loads (the paged forward's K/V gathers) are pipelined with cp.async as they are in production.
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for idx, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in OPTIONAL and not constexprs.get(OPTIONAL[name], False):
@@ -40,27 +45,37 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
         elif name.isupper():
             elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
             signature[name] = "*" + elem
+            attrs[(idx,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in FP32_SCALARS else "i32"
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts)
+            if name.startswith(("stride_k", "stride_v")):
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+# PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 FLAG_SETS = {
-    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, MASK_LEFT=False, MASK_RIGHT=False,
-                  HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False, DOT_PRECISION="tf32"),
-    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, MASK_LEFT=True, MASK_RIGHT=True,
-                HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False, DOT_PRECISION="tf32"),
+    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, MASK_LEFT=False,
+                  MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False, DOT_PRECISION="tf32"),
+    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, MASK_LEFT=True,
+                MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False, DOT_PRECISION="tf32"),
+    "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, MASK_LEFT=False,
+                  MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False, DOT_PRECISION="tf32"),
 }
 
 
 def main(argv):
     flag_sets = FLAG_SETS if "--all-flags" in argv else {"dense": FLAG_SETS["dense"]}
     for kernel, d, cfg in production_configs():
+        fn = KERNELS[kernel]
         for flag_name, flags in flag_sets.items():
+            if flags["PAGED"] and "PAGED" not in fn.arg_names:
+                continue
+            flags = {name: value for name, value in flags.items() if name in fn.arg_names}
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
-            c = compile_kernel(KERNELS[kernel], consts, cfg.num_warps, cfg.num_stages)
+            c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages)
             ptx = c.asm["ptx"]
             print(json.dumps({"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
                               cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
@@ -68,6 +83,8 @@ def main(argv):
     c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, IS_VARLEN=False,
                                                     HAS_SEQUSED_Q=False), 4, 1)
     print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
+    c = compile_kernel(_seq_order_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED=False), 4, 1)
+    print(json.dumps({"kernel": "seq_order", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
 
 
 if __name__ == "__main__":

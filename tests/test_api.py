@@ -96,7 +96,7 @@ def test_packed_backward_writes_one_buffer(device):
     from flashtile.ops.bwd import attention_bwd
     from flashtile.ops.fwd import attention_fwd
     qkv_t = torch.randn(1, 20, 3, 2, 16, device=device, dtype=torch.float16)
-    out, lse = attention_fwd(qkv_t, None, None, None, None, None, None, None, 20, 20, 0.25, -1, -1, 0.0, 1)
+    out, lse = attention_fwd(qkv_t, None, None, None, None, None, None, None, None, 20, 20, 0.25, -1, -1, 0.0, 1)
     grads_ = attention_bwd(torch.randn_like(out), qkv_t, None, None, out, lse, None, None, None, None, None,
                            20, 20, 0.25, -1, -1, 0.0, 1)
     assert len(grads_) == 1 and grads_[0].shape == qkv_t.shape
@@ -175,6 +175,6 @@ def test_torch_compile_fullgraph(device, backend):
 def test_opcheck(device):
     from flashtile.ops.fwd import attention_fwd
     q, k, v = qkv(device, sq=17, sk=23)
-    args = (q, k, v, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0)
+    args = (q, k, v, None, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0)
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                             "test_autograd_registration"))

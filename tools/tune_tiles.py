@@ -44,11 +44,11 @@ def main():
                     for causal in (False, True):
                         wr = 0 if causal else -1
                         f = flops / (2 if causal else 1)
-                        out, lse = attention_fwd(q, k, v, None, None, None, None, None, s, s, d ** -0.5, -1, wr,
-                                                 0.0, 0)
+                        out, lse = attention_fwd(q, k, v, None, None, None, None, None, None, s, s, d ** -0.5,
+                                                 -1, wr, 0.0, 0)
                         if kernel == "fwd":
-                            ms = bench(lambda: attention_fwd(q, k, v, None, None, None, None, None, s, s,
-                                                             d ** -0.5, -1, wr, 0.0, 0))
+                            ms = bench(lambda: attention_fwd(q, k, v, None, None, None, None, None, None,
+                                                             s, s, d ** -0.5, -1, wr, 0.0, 0))
                             tf.append(f / ms * 1e-9)
                         else:
                             ms = bench(lambda: attention_bwd(do, q, k, v, out, lse, None, None, None, None, None,

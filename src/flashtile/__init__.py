@@ -2,8 +2,10 @@
 
 __version__ = "0.1.0"
 
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 from .kvcache import combine, flash_attn_with_kvcache
 
 __all__ = ["__version__", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_with_kvcache", "combine"]

@@ -10,7 +10,8 @@ from .ops.bwd import attention_bwd
 from .ops.common import PACK_KV, PACK_QKV
 from .ops.fwd import attention_fwd
 
-_N_TENSOR_INPUTS = 8  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes
+# q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table
+_N_TENSOR_INPUTS = 9
 
 
 def _setup_context(ctx, inputs, output):
@@ -21,7 +22,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, cu_q, cu_k, used_q, used_k, alibi, out, lse = ctx.saved_tensors
+    q, k, v, cu_q, cu_k, used_q, used_k, alibi, block_table, out, lse = ctx.saved_tensors
+    if block_table is not None:
+        raise NotImplementedError(
+            "flashtile has no backward through a paged KV cache (block_table): paged K/V is an inference feature. "
+            "Run the forward under torch.no_grad(), or pass contiguous k and v to get gradients.")
     packing = ctx.scalars[-1]
     grads = attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi, *ctx.scalars)
     if packing == PACK_QKV:

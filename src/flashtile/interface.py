@@ -2,7 +2,8 @@
 
 Each function validates its arguments once (problem.py), normalises them (causal -> window, head dim padded to a
 multiple of 8), calls the `flashtile::fwd` custom op and trims the result. Gradients flow through the op's
-registered autograd (autograd.py). Layout is (batch, seqlen, nheads, headdim) throughout.
+registered autograd (autograd.py). Layout is (batch, seqlen, nheads, headdim), or (total, nheads, headdim) for
+the varlen functions, whose batch is packed along one token axis and described by cu_seqlens.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from . import autograd  # noqa: F401  (registers the backward of flashtile::fwd)
 from .ops.common import PACK_KV, PACK_NONE, PACK_QKV
 from .ops.fwd import attention_fwd
-from .problem import AttnProblem, dense_problem, pad_head_dim
+from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
 
 def _pad(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -22,12 +23,12 @@ def _pad(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs: bool, deterministic: bool,
-         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None):
+         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, block_table=None):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     # The backward has no atomics (see ops/bwd.py), so it is bitwise reproducible whatever `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
-    out, lse = attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+    out, lse = attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                              p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap,
                              packing)
     out = out[..., :p.head_dim] if out.shape[-1] != p.head_dim else out
@@ -110,3 +111,94 @@ def _check_packed(name: str, t, ndim: int, n: int) -> None:
     if t.dim() != ndim or t.shape[-3] != n:
         raise ValueError(f"{name} must have {ndim} dimensions with size {n} at dimension -3, "
                          f"got shape {tuple(t.shape)}")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
+                           seqused_k=None):
+    """`flash_attn_func` over a ragged batch: B sequences of different lengths packed along one token axis.
+
+    Sequence b is rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of q and rows cu_seqlens_k[b] : cu_seqlens_k[b + 1] of
+    k and v; it attends only to itself, with no padding computed. Masks and ALiBi are per sequence: causal and
+    window_size are aligned to the bottom-right corner of each sequence's own seqlen_q x seqlen_k matrix (see
+    `flash_attn_func`). Forward and backward, except with block_table (forward only).
+
+    Arguments:
+        q: (total_q, nheads, headdim), total_q = total number of query tokens in the batch.
+        k: (total_k, nheads_k, headdim), or with block_table a paged cache (num_blocks, page_block_size, nheads_k,
+            headdim) with any page_block_size >= 1.
+        v: same shape as k.
+            nheads must be a multiple of nheads_k (MQA/GQA). fp16, bf16 or fp32, unit stride in the last dimension;
+            headdim <= 256.
+        cu_seqlens_q: (batch_size + 1,), int32, the cumulative sequence lengths of q: starts at 0, non-decreasing,
+            ends at total_q. Zero-length sequences are allowed.
+        cu_seqlens_k: (batch_size + 1,), int32, the same for k and v (ends at total_k). With block_table it gives
+            each sequence's key count only; its keys are rows 0, 1, ... of its pages.
+        max_seqlen_q: int, the longest query sequence (with seqused_q: the largest seqused_q).
+        max_seqlen_k: int, the longest key sequence (with seqused_k: the largest seqused_k).
+            They size the launch grid. A larger value is correct and costs only idle programs; a smaller one
+            leaves the rows of longer sequences past it uncomputed (their out, lse and gradients are undefined,
+            though nothing outside the tensors is ever read or written). Caught when the values are checked.
+        dropout_p: must be 0.0 (a non-zero value raises NotImplementedError).
+        softmax_scale: scaling of qkᵀ before the softmax; default 1 / sqrt(headdim).
+        causal: causal mask, aligned bottom-right within each sequence. A row with no visible key outputs 0.
+        window_size: (left, right); -1 or None means unbounded. Query i of a sequence attends to its keys j with
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (lengths of that sequence).
+        softcap: if > 0, scores (already scaled) become softcap * tanh(score / softcap).
+        alibi_slopes: (nheads,) or (batch_size, nheads), float32. Adds -slope * |i + seqlen_k - seqlen_q - j|.
+        deterministic: accepted for compatibility; the backward is always bitwise reproducible.
+        return_attn_probs: if True, also return softmax_lse and an empty S_dmask (testing only).
+        block_table [optional]: (batch_size, max_num_blocks_per_seq), int32. Key row r of sequence b lives in
+            row r % page_block_size of page block_table[b, r // page_block_size] of k and v. Entries past a
+            sequence's keys are never read. Paged K/V has no backward (NotImplementedError): it is for inference.
+        seqused_q [keyword, optional]: (batch_size,), int32. Only the first seqused_q[b] queries of sequence b are
+            computed; the other rows of out are 0 (their lse +inf) and get no gradient (FlashAttention-3's
+            convention).
+        seqused_k [keyword, optional]: (batch_size,), int32. Only the first seqused_k[b] keys of sequence b are
+            attended to; masks are aligned to that length.
+    Checks: shapes, dtypes and devices always. The values of cu_seqlens, seqused and block_table (start at 0,
+    non-decreasing, end at the total, max_seqlen large enough, pages in range) only when FLASHTILE_CHECK=1 or the
+    tensors are on the CPU, and not under torch.compile tracing: on a GPU reading them is a synchronising copy
+    that would also break CUDA-graph capture. By default the kernels trust them, as flash-attn's do: a cu_seqlens
+    entry past the total or a page index out of range is then an out-of-bounds access.
+    Return:
+        out: (total_q, nheads, headdim).
+        softmax_lse [if return_attn_probs]: (nheads, total_q), float32, natural log of the row sums of
+            exp(scores); +inf for rows with no visible key.
+        S_dmask [if return_attn_probs]: an empty tensor (there is no dropout mask).
+    """
+    p = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, dropout_p, seqused_q, seqused_k, block_table)
+    return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic, cu_seqlens_q, cu_seqlens_k,
+                seqused_q, seqused_k, block_table)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """`flash_attn_varlen_func` with q, k, v packed: qkv is (total, 3, nheads, headdim), and one cu_seqlens
+    ((batch_size + 1,), int32) and max_seqlen serve queries and keys.
+
+    Gradients are written into one (total, 3, nheads, headdim) buffer. Other arguments and the return value as
+    `flash_attn_varlen_func`.
+    """
+    _check_packed("qkv", qkv, 4, 3)
+    p = varlen_problem(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+    return _run(p, qkv, None, None, PACK_QKV, alibi_slopes, return_attn_probs, deterministic, cu_seqlens,
+                cu_seqlens)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """`flash_attn_varlen_func` with k and v packed: q is (total_q, nheads, headdim) and kv is (total_k, 2,
+    nheads_k, headdim). dk and dv are written into one buffer of kv's shape. Other arguments and the return value
+    as `flash_attn_varlen_func`.
+    """
+    _check_packed("kv", kv, 4, 2)
+    p = varlen_problem(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+    return _run(p, q, kv, None, PACK_KV, alibi_slopes, return_attn_probs, deterministic, cu_seqlens_q,
+                cu_seqlens_k)

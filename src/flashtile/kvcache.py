@@ -15,7 +15,7 @@ import torch
 from . import env
 from .ops.decode import append_kv, capacity, decode
 from .ops.decode import combine as _combine_op
-from .problem import MAX_HEAD_DIM, check_alibi, check_scalar_args, check_tensor, normalize_window
+from .problem import MAX_HEAD_DIM, check_alibi, check_index, check_scalar_args, check_tensor, normalize_window
 
 __all__ = ["flash_attn_with_kvcache", "combine"]
 
@@ -108,9 +108,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if nheads_kv < 1 or nheads % nheads_kv != 0:
         raise ValueError(f"number of query heads ({nheads}) must be a multiple of the number of key/value heads "
                          f"in k_cache ({nheads_kv})")
-    _check_index("block_table", block_table, 2, batch, q.device)
-    _check_index("cache_batch_idx", cache_batch_idx, 1, batch, q.device)
-    _check_index("cache_leftpad", cache_leftpad, 1, batch, q.device)
+    check_index("block_table", block_table, 2, batch, q.device)
+    check_index("cache_batch_idx", cache_batch_idx, 1, batch, q.device)
+    check_index("cache_leftpad", cache_leftpad, 1, batch, q.device)
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be used with a paged cache (block_table): the block table "
@@ -165,7 +165,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"[0, {cap - seqlen_new}]")
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
-        _check_index("cache_seqlens", cache_seqlens, 1, batch, q.device)
+        check_index("cache_seqlens", cache_seqlens, 1, batch, q.device)
     if env.debug_checks():
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
 
@@ -222,23 +222,6 @@ def combine(out_partials, lse_partials, out_dtype=None):
         raise ValueError("out_partials must hold at least one split (num_splits >= 1)")
     out, lse = _combine_op(out_partials, lse_partials, out_dtype)
     return (out[0], lse[0]) if varlen else (out, lse)
-
-
-def _check_index(name: str, t, ndim: int, batch: int, device) -> None:
-    """An optional int32 index tensor whose first dimension is the batch."""
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != ndim or t.shape[0] != batch:
-        shape = "(batch_size,)" if ndim == 1 else "(batch_size, max_num_blocks_per_seq)"
-        raise ValueError(f"{name} must have shape {shape} with batch_size = {batch}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
-    if t.stride(-1) != 1 and t.numel() > 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
 
 
 def _check_rotary(cos, sin, k, q, head_dim: int, cap: int, q_overhang: int, local: bool) -> None:

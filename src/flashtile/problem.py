@@ -8,12 +8,18 @@ place, so the compile-cache key is what the kernels actually specialise on and i
 
 Window convention (flash-attn's): window_left / window_right of -1 mean unbounded; causal is the window
 (left, 0). Both are aligned bottom-right: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right.
+
+Checks of shapes, dtypes and devices always run and cost no synchronisation. Checks of the *values* of index
+tensors (cu_seqlens, seqused, block_table) need a device-to-host copy, which synchronises a GPU and breaks CUDA-graph
+capture, so they run only with FLASHTILE_CHECK=1 (env.debug_checks) or when the tensors are on the CPU, where
+reading them costs nothing; never while torch.compile traces (their values are unknown then).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +44,7 @@ class AttnProblem:
     softcap: float
     alibi: bool
     varlen: bool = False
+    paged: bool = False  # varlen only: k/v are paged caches read through a block table
 
     @property
     def causal(self) -> bool:
@@ -124,6 +131,30 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device) -> None:
         raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
 
 
+def check_index(name: str, t, ndim: int, batch: int, device) -> None:
+    """An optional int32 index tensor whose first dimension is the batch (seqused, block_table, cache_seqlens)."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim or t.shape[0] != batch:
+        shape = "(batch_size,)" if ndim == 1 else "(batch_size, max_num_blocks_per_seq)"
+        raise ValueError(f"{name} must have shape {shape} with batch_size = {batch}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if t.stride(-1) != 1 and t.numel() > 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+
+
+def value_checks(*tensors) -> bool:
+    """Whether to check the values of these index tensors: see the module note."""
+    if torch.compiler.is_compiling():
+        return False
+    return env.debug_checks() or all(t.device.type == "cpu" for t in tensors if t is not None)
+
+
 def dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p) -> AttnProblem:
     """Validate flash_attn_func arguments (q (B, Sq, H, D), k/v (B, Sk, Hk, D)) and describe the problem."""
     check_tensor("q", q, 4)
@@ -155,3 +186,120 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
     left, right = normalize_window(causal, window_size)
     return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q.dtype, softmax_scale,
                        left, right, float(softcap), alibi_slopes is not None, varlen)
+
+
+def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, dropout_p, seqused_q=None, seqused_k=None,
+                   block_table=None) -> AttnProblem:
+    """Validate flash_attn_varlen_func arguments and describe the problem.
+
+    q (total_q, H, D); k/v (total_k, Hk, D), or paged caches (num_blocks, page_size, Hk, D) with block_table
+    (B, max_num_blocks_per_seq); cu_seqlens_q/k (B + 1,) int32. Value checks (see the module note): cu_seqlens start
+    at 0, never decrease and end at the packed total; max_seqlen is at least every sequence's length; seqused lies
+    in [0, length]; a paged sequence fits its block-table row, whose pages it owns are pages of the cache.
+    """
+    paged = block_table is not None
+    check_tensor("q", q, 3)
+    check_tensor("k", k, 4 if paged else 3, q.device, q.dtype)
+    check_tensor("v", v, 4 if paged else 3, q.device, q.dtype)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    total_q, nheads, head_dim = q.shape
+    nheads_kv = k.shape[-2]
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch_size + 1 entries, got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    batch = cu_seqlens_q.shape[0] - 1
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    check_index("seqused_q", seqused_q, 1, batch, q.device)
+    check_index("seqused_k", seqused_k, 1, batch, q.device)
+    check_index("block_table", block_table, 2, batch, q.device)
+    if paged and (k.shape[1] < 1 or block_table.shape[1] < 1):
+        raise ValueError(f"a paged cache needs page_block_size >= 1 and a block_table with >= 1 column, got "
+                         f"k {tuple(k.shape)} and block_table {tuple(block_table.shape)}")
+    if value_checks(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table):
+        lengths_q = _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q)
+        lengths_k = _check_cu_values("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0])
+        lengths_q = _check_seqused("seqused_q", seqused_q, lengths_q, max_seqlen_q, "max_seqlen_q")
+        lengths_k = _check_seqused("seqused_k", seqused_k, lengths_k, max_seqlen_k, "max_seqlen_k")
+        if paged:
+            _check_block_table(block_table, lengths_k, k.shape[0], k.shape[1])
+    p = _common(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
+                causal, window_size, softcap, alibi_slopes, dropout_p, varlen=True)
+    return replace(p, paged=paged)
+
+
+def _check_cu_seqlens(name: str, t, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-d with batch_size + 1 entries, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if t.stride(0) != 1 and t.shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    # A tensor would need a device-to-host copy to be read; flash-attn's API takes a Python int.
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, total) -> torch.Tensor:
+    """Value checks of one cu_seqlens (total None: a paged cache, which has no packed total); returns the
+    sequence lengths, on the host."""
+    cu = cu.cpu().long()
+    lengths = cu[1:] - cu[:-1]
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {int(cu[0])}")
+    if bool((lengths < 0).any()):
+        b = int((lengths < 0).nonzero()[0])
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{b}] = {int(cu[b])} > "
+                         f"{name}[{b + 1}] = {int(cu[b + 1])}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the packed total, the first dimension of the "
+                         f"tensor it describes ({total})")
+    return lengths
+
+
+def _check_seqused(name: str, seqused, lengths: torch.Tensor, max_seqlen: int, max_name: str) -> torch.Tensor:
+    """Value checks of an optional seqused against the sequence lengths, and of max_seqlen against the lengths
+    the kernels use (seqused where given, as in FlashAttention-3); returns those lengths, on the host."""
+    if seqused is not None:
+        used = seqused.cpu().long()
+        bad = (used < 0) | (used > lengths)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0])
+            raise ValueError(f"{name}[{b}] = {int(used[b])} must lie in [0, {int(lengths[b])}], the length of "
+                             f"sequence {b}")
+        lengths = used
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({longest} tokens)")
+    return lengths
+
+
+def _check_block_table(block_table: torch.Tensor, lengths_k: torch.Tensor, num_blocks: int, page_size: int):
+    """Every key of a paged sequence has a block-table entry, and the entries it owns are pages of the cache (the
+    rest of the row is never read and may hold anything, e.g. -1)."""
+    table = block_table.cpu().long()
+    capacity = table.shape[1] * page_size
+    if bool((lengths_k > capacity).any()):
+        b = int((lengths_k > capacity).nonzero()[0])
+        raise ValueError(f"sequence {b} has {int(lengths_k[b])} keys but its block_table row holds only "
+                         f"{table.shape[1]} pages of {page_size} ({capacity} keys)")
+    owned = torch.arange(table.shape[1])[None, :] * page_size < lengths_k[:, None]
+    bad = owned & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        b, n = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {n}] = {int(table[b, n])} is not a page of the cache (must lie in "
+                         f"[0, {num_blocks}), k.shape[0])")

@@ -13,14 +13,17 @@ Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse *
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
   dK += dS^T Q;  dQ += dS K;  finally dK and dQ are scaled by softmax_scale.
 Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys past seqlen_k are zero rows
-(descriptor zero-fill) and are masked where they could reach a stored value. Does not do dropout.
+(descriptor zero-fill) and are masked where they could reach a stored value. Varlen grids are sized by max_seqlen
+and the dK/dV and dQ kernels visit sequences longest first, as in the forward (Note [max_seqlen sizes the grid] in
+fwd.py, Note [longest sequences first] in seqlen.py). Offsets that can pass 2^31 elements are int64, as there.
+Does not do dropout or paged K/V.
 """
 
 import triton
 import triton.language as tl
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
-from .seqlen import seq_info
+from .seqlen import seq_index, seq_info
 
 
 @triton.jit
@@ -41,16 +44,17 @@ def _bwd_preprocess_kernel(
     if m_start >= seqlen_q:
         return
     b64 = b.to(tl.int64)
-    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h * stride_oh,
+    h64 = h.to(tl.int64)
+    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h * stride_doh,
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
                                         shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
                                         block_shape=[BLOCK_M, BLOCK_D])
     o = o_desc.load([m_start, 0]).to(tl.float32)
     do = do_desc.load([m_start, 0]).to(tl.float32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -88,7 +92,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SEQ_ORDER,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -105,17 +109,18 @@ def _bwd_dkdv_kernel(
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
-    b = tl.program_id(2)
+    b = seq_index(tl.program_id(2), SEQ_ORDER, IS_VARLEN)
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
     n_start = pid_n * BLOCK_N
     if n_start >= seqlen_k:
         return
     b64 = b.to(tl.int64)
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk * stride_kh,
+    hk64 = hk.to(tl.int64)
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
                                        block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk * stride_vh,
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
                                        block_shape=[BLOCK_N, BLOCK_D])
     k = k_desc.load([n_start, 0])
@@ -131,14 +136,15 @@ def _bwd_dkdv_kernel(
                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h * stride_qh,
+        h64 = h.to(tl.int64)
+        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                                            shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
                                            block_shape=[BLOCK_M, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h * stride_doh,
+        do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
                                             shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
                                             block_shape=[BLOCK_M, BLOCK_D])
-        LSE_H = LSE + b64 * stride_lb + h * stride_lh + q_start
-        DELTA_H = DELTA + b64 * stride_lb + h * stride_lh + q_start
+        LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
+        DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
@@ -151,10 +157,10 @@ def _bwd_dkdv_kernel(
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
                                  seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + k_start * stride_dkn + hk * stride_dkh,
+    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh,
                                         shape=[seqlen_k, HEAD_DIM], strides=[stride_dkn, 1],
                                         block_shape=[BLOCK_N, BLOCK_D])
-    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + k_start * stride_dvn + hk * stride_dvh,
+    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh,
                                         shape=[seqlen_k, HEAD_DIM], strides=[stride_dvn, 1],
                                         block_shape=[BLOCK_N, BLOCK_D])
     dk_desc.store([n_start, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
@@ -191,7 +197,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    Q, K, V, DO, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SEQ_ORDER,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -207,7 +213,7 @@ def _bwd_dq_kernel(
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = seq_index(tl.program_id(2), SEQ_ORDER, IS_VARLEN)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
@@ -215,16 +221,18 @@ def _bwd_dq_kernel(
     if m_start >= seqlen_q:
         return
     b64 = b.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h * stride_qh,
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
                                        block_shape=[BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h * stride_doh,
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
                                         shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
                                         block_shape=[BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk * stride_kh,
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
                                        block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk * stride_vh,
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
                                        block_shape=[BLOCK_N, BLOCK_D])
     q = q_desc.load([m_start, 0])
@@ -234,8 +242,9 @@ def _bwd_dq_kernel(
         do = do.to(tl.float32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
-    lse2 = tl.load(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok,
+                   other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
@@ -253,7 +262,7 @@ def _bwd_dq_kernel(
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
                        qk_scale, softcap2, slope2, BLOCK_N, True,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + q_start * stride_dqm + h * stride_dqh,
+    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh,
                                         shape=[seqlen_q, HEAD_DIM], strides=[stride_dqm, 1],
                                         block_shape=[BLOCK_M, BLOCK_D])
     dq_desc.store([m_start, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))

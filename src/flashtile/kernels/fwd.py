@@ -8,32 +8,76 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits):
   acc, m_i, l_i   un-normalised output, running row max (log2 units), running row sum: the online softmax state.
   GROUP      query heads per KV head (GQA/MQA); query head h reads KV head h // GROUP.
   UPCAST     cast loaded tiles to fp32: only for bf16 under the CPU interpreter, which cannot compute on bf16.
+  PAGED      K/V live in a paged cache (num_blocks, page_size, Hk, D): key row r of sequence b is row
+             r % page_size of page block_table[b, r // page_size] (kvcache.cache_coords). Any page size works
+             because every row is translated on its own; such tiles are gathered with pointer loads, since a tile
+             may span pages (a TMA descriptor needs one strided box). Otherwise K/V are read through descriptors.
 
 Writes O once and the log-sum-exp in natural-log units (B, H, Sq) or (H, total_q); never materialises the
 Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shapes (reads past them are zeros and
-writes are dropped) plus a key mask on the last key block. Does not do dropout or paged K/V.
+writes are dropped) plus a key mask on the last key block; paged loads mask rows past seqlen_k instead, and never
+read a block-table entry for them. Does not do dropout.
+
+Note [max_seqlen sizes the grid]: a varlen grid has cdiv(max_seqlen_q, BLOCK_M) query tiles per sequence; the
+programs past a shorter sequence's end exit at once. A max_seqlen_q smaller than a sequence leaves that sequence's
+last rows uncomputed: their out and lse are undefined (never an out-of-bounds access: every load and store is
+clipped to the sequence's own length, from cu_seqlens/seqused). The API checks max_seqlen when it may read
+cu_seqlens (problem.py). Each program computes exactly one tile rather than striding over several: an outer loop
+around the tile body makes Triton hoist the O staging buffer out of it, 16 KB more shared memory per program
+(d256 would no longer fit on sm_90).
 """
 
 import triton
 import triton.language as tl
 
+from .kvcache import cache_coords
 from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
-from .seqlen import seq_info
+from .seqlen import seq_index, seq_info
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
+def _load_kv(src, start_n, page, off, stride_page, stride_row, row_ok, d,
+             PAGED: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) tile of K or V at key rows start_n + [0, BLOCK_N) of the sequence.
+
+    Contiguous: `src` is the sequence's tensor descriptor. PAGED: `src` points at the KV head in the paged cache
+    and row n sits at page[n] * stride_page + off[n] * stride_row. Rows past seqlen_k (row_ok false, only in
+    MASKED blocks) and columns past HEAD_DIM are not read and load as 0, as the descriptor gives them: a 0 in V
+    times a probability of 0 stays 0, where a stray NaN would not.
+    """
+    if PAGED:
+        ptrs = src + (page * stride_page + off * stride_row)[:, None] + d
+        if MASKED or HEAD_DIM < BLOCK_D:
+            tile = tl.load(ptrs, mask=row_ok[:, None] & (d < HEAD_DIM), other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        tile = src.load([start_n, 0])
+    return tile
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               b, BLOCK_TABLE, stride_btb, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               PAGED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        k = k_desc.load([start_n, 0])
+        r = start_n + offs_n
+        row_ok = r < seqlen_k
+        # Where the rows live in a paged cache (dead code for descriptors). Mask-free blocks lie inside seqlen_k.
+        if MASKED:
+            page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, row_ok, PAGED)
+        else:
+            page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, None, PAGED)
+        k = _load_kv(k_src, start_n, page, off, stride_kb, stride_kn, row_ok, d, PAGED, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
-        j = (start_n + offs_n)[None, :]
+        j = r[None, :]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP or HAS_ALIBI:
             s, _ = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
@@ -53,7 +97,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
         p = tl.math.exp2(s * scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([start_n, 0])
+        v = _load_kv(v_src, start_n, page, off, stride_vb, stride_vn, row_ok, d, PAGED, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -63,44 +107,52 @@ def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, hi,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SEQ_ORDER, BLOCK_TABLE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k,
+    stride_lb, stride_lh, stride_ab, stride_btb,
+    seqlen_q, seqlen_k, page_size,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    PAGED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
-    # let the short ones fill the tail of the wave.
+    # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = seq_index(tl.program_id(2), SEQ_ORDER, IS_VARLEN)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
     m_start = pid_m * BLOCK_M
     if m_start >= seqlen_q:
         return
+    # Every offset that can pass 2^31 elements is int64: b64 and q_start/k_start (int64) times a row stride, and
+    # h64 times a head stride (heads can be the outer dimension of a strided view, and LSE is (H, total_q)).
     b64 = b.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h * stride_qh,
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
                                        block_shape=[BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk * stride_kh,
-                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk * stride_vh,
-                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D])
-    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h * stride_oh,
+    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, BLOCK_D])
-
+    if PAGED:
+        k_src = K + hk64 * stride_kh
+        v_src = V + hk64 * stride_vh
+    else:
+        k_src = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                                          shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                                          shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
     diag = seqlen_k - seqlen_q
     offs_m = m_start + tl.arange(0, BLOCK_M)
     i = offs_m[:, None]
@@ -118,15 +170,21 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     # Left edge of a sliding window, mask-free interior, then the diagonal / right edge / ragged last block.
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
-                               qk_scale, softcap2, slope2, BLOCK_N, True,
-                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
-                               qk_scale, softcap2, slope2, BLOCK_N, False,
-                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
-                               qk_scale, softcap2, slope2, BLOCK_N, True,
-                               MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, full_lo,
+                               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                               b, BLOCK_TABLE, stride_btb, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_lo, full_hi,
+                               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                               b, BLOCK_TABLE, stride_btb, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, MASK_LEFT, MASK_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_hi, hi,
+                               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                               b, BLOCK_TABLE, stride_btb, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     # Rows that saw no key at all (l_i == 0) output 0 and get lse = +inf, flash-attn's convention, which makes the
     # backward's recomputed probabilities exp(s - lse) exactly 0 for them.
@@ -134,4 +192,4 @@ def _attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o_desc.store([m_start, 0], (acc / l_safe[:, None]).to(O.dtype.element_ty))
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)

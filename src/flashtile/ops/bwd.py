@@ -2,7 +2,9 @@
 
 Grids: preprocess and dQ are (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles,
 KV heads, sequences) and each program loops over its GQA group, so nothing is reduced across programs and the
-result is bitwise reproducible. Packed inputs get their gradients written into one buffer of the packed shape.
+result is bitwise reproducible. Varlen dK/dV and dQ grids visit sequences longest first, as the forward does:
+dQ tiles cost in proportion to the sequence's keys, dK/dV tiles to its queries, so each sorts by that length.
+Packed inputs get their gradients written into one buffer of the packed shape.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch,
-                     tma_ready, unpack)
+                     seq_order, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 
 
@@ -57,10 +59,15 @@ def attention_bwd(
             g.zero_()
         return grads
     dout = tma_ready(dout)
-    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    seqlen_q = max_seqlen_q if varlen else q.shape[1]
-    seqlen_k = max_seqlen_k if varlen else k.shape[1]
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+        # As in the forward: no sequence is longer than its packed total.
+        seqlen_q, seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
+        order_dkdv, order_dq = seq_order(cu_seqlens_q, seqused_q), seq_order(cu_seqlens_k, seqused_k)
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        order_dkdv = order_dq = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
                          seqused_q is not None, seqused_k is not None, q.dtype)
@@ -83,12 +90,12 @@ def attention_bwd(
 
     launch(
         _bwd_dkdv_kernel, "bwd_dkdv", head_dim, lambda _, block_n: (triton.cdiv(seqlen_k, block_n), nheads_kv, batch),
-        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args,
+        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
         *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
     )
     launch(
         _bwd_dq_kernel, "bwd_dq", head_dim, lambda block_m, _: (triton.cdiv(seqlen_q, block_m), nheads, batch),
-        q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args,
+        q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
         *strides_qkv_do, *bmh_strides(dq, varlen), *tail, **common,
     )
     return grads

@@ -1,4 +1,5 @@
-"""Launch plumbing shared by the attention ops: packed-input views, strides, the TMA scratch allocator."""
+"""Launch plumbing shared by the attention ops: packed-input views, strides, varlen grids and launch order, the TMA
+scratch allocator."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import triton
 
 from .. import env
 from ..config import CANDIDATES, TileConfig, block_d, tile_config
+from ..kernels.seqlen import MAX_SORT, _seq_order_kernel
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -43,6 +45,18 @@ def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def seq_order(cu_seqlens: torch.Tensor, seqused) -> torch.Tensor:
+    """(B,) int32, the order in which a varlen grid visits sequences: longest first, computed on the device without
+    a host synchronisation (Note [longest sequences first] in kernels/seqlen.py). One small launch."""
+    batch = cu_seqlens.shape[0] - 1
+    order = torch.empty(batch, dtype=torch.int32, device=cu_seqlens.device)
+    if batch > 0:
+        block = min(MAX_SORT, triton.next_power_of_2(batch))
+        _seq_order_kernel[(triton.cdiv(batch, block),)](cu_seqlens, seqused, order, batch, BLOCK_B=block,
+                                                         HAS_SEQUSED=seqused is not None)
+    return order
+
+
 def alibi_batch_stride(alibi_slopes) -> int:
     """Slopes are (H,) or (B, H); a batch stride of 0 makes the first shape read like the second."""
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
@@ -66,7 +80,7 @@ def launch_opts(cfg: TileConfig) -> dict:
 # What a tuned config may depend on: the head dim, the dtype (Triton adds argument dtypes to the key itself) and
 # the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
 # problem class serves every length.
-_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI"]
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI"]
 
 
 @functools.cache

@@ -1,7 +1,13 @@
-"""Forward launcher and the `flashtile::fwd` custom op (dense and varlen share it).
+"""Forward launcher and the `flashtile::fwd` custom op (dense, varlen and paged-varlen share it).
 
 Grid: (query tiles, query heads, sequences). The query-tile axis is the fastest-varying one so that programs
-running together read the same K/V head and share it through L2.
+running together read the same K/V head and share it through L2. Within a (head, sequence) the kernel takes the
+query tiles last to first (under a causal mask the last do the most work); varlen grids also visit sequences
+longest first, through an order computed on the device (Note [longest sequences first] in kernels/seqlen.py).
+That is list scheduling with the longest tiles first, which keeps every SM busy to the end of a mixed batch
+without a host synchronisation and without a persistent kernel's tile queue. The price of the rectangular grid:
+programs past a shorter sequence's last tile exit after reading its cu_seqlens entries (a few dependent loads each,
+not measured). A tile list built on the device would remove them, at the price of a lookup in every program.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import triton
 
 from ..kernels.fwd import _attn_fwd_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch, tma_ready, unpack
+from .common import (alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch, seq_order,
+                     tma_ready, unpack)
 
 
 def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -37,41 +44,58 @@ def attention_fwd(
     q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
     softcap: float, packing: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q)."""
-    q, k, v = unpack(*(tma_ready(t) if t is not None else None for t in (q, k, v)), packing)
+    """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q).
+
+    With block_table (varlen only), k and v are paged caches (num_blocks, page_size, Hk, D) read without TMA, so
+    they are neither copied nor aligned here.
+    """
+    paged = block_table is not None
+    if not paged:
+        k, v = (None if t is None else tma_ready(t) for t in (k, v))
+    q, k, v = unpack(tma_ready(q), k, v, packing)
     varlen = cu_seqlens_q is not None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if seqused_q is not None:
-        out.zero_()  # rows past seqused_q[b] are not computed; give them a defined value
+        # Rows past seqused_q[b] are not computed; give them the values of a row that sees no key.
+        out.zero_()
+        lse.fill_(float("inf"))
     if out.numel() == 0:
         return out, lse
-    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    seqlen_q = max_seqlen_q if varlen else q.shape[1]
-    seqlen_k = max_seqlen_k if varlen else k.shape[1]
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+        # No sequence is longer than the packed total: a larger max_seqlen_q would only add idle programs.
+        seqlen_q, seqlen_k = min(max_seqlen_q, q.shape[0]), max_seqlen_k
+        order = seq_order(cu_seqlens_k, seqused_k)
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        order = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
                          seqused_q is not None, seqused_k is not None, q.dtype)
+    # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page ones.
+    kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
+    stride_btb, page_size = (block_table.stride(0), k.shape[1]) if paged else (0, 1)
     prepare_launch(q)
     launch(
         _attn_fwd_kernel, "fwd", head_dim, lambda block_m, _: (triton.cdiv(seqlen_q, block_m), nheads, batch),
-        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        *bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen), *bmh_strides(out, varlen),
-        *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
-        seqlen_q, seqlen_k, qk_scale, softcap2, window_left, window_right,
-        GROUP=nheads // nheads_kv, **head_dims(head_dim), **flags,
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
+        *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
+        *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
+        seqlen_q, seqlen_k, page_size, qk_scale, softcap2, window_left, window_right,
+        GROUP=nheads // nheads_kv, PAGED=paged, **head_dims(head_dim), **flags,
     )
     return out, lse
 
 
 @attention_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, packing):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, max_seqlen_q,
+      max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing):
     q, _, _ = unpack(q, k, v, packing)
     varlen = cu_seqlens_q is not None
     return (q.new_empty(q.shape), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))
-
