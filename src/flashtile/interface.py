@@ -152,6 +152,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table [optional]: (batch_size, max_num_blocks_per_seq), int32. Key row r of sequence b lives in
             row r % page_block_size of page block_table[b, r // page_block_size] of k and v. Entries past a
             sequence's keys are never read. Paged K/V has no backward (NotImplementedError): it is for inference.
+            A headdim that is not a multiple of 8 pads a copy of the whole cache; use multiples of 8 with pages.
         seqused_q [keyword, optional]: (batch_size,), int32. Only the first seqused_q[b] queries of sequence b are
             computed; the other rows of out are 0 (their lse +inf) and get no gradient (FlashAttention-3's
             convention).
