@@ -18,18 +18,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from flashtile.config import production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
-from flashtile.kernels.seqlen import MAX_SORT, _seq_order_kernel  # noqa: E402
+from flashtile.kernels.seqlen import MAX_SORT, _schedule_kernel  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
-I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SEQ_ORDER", "BLOCK_TABLE", "CU_SEQLENS",
-                "SEQUSED", "ORDER"}
+I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
+                "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
-            "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SEQ_ORDER": "IS_VARLEN",
-            "BLOCK_TABLE": "PAGED", "SEQUSED": "HAS_SEQUSED"}
+            "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
+            "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16"):
@@ -39,7 +39,7 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
     for idx, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in OPTIONAL and not constexprs.get(OPTIONAL[name], False):
+        elif name in OPTIONAL and OPTIONAL[name] in fn.arg_names and not constexprs.get(OPTIONAL[name], False):
             signature[name] = "constexpr"
             consts[name] = None
         elif name.isupper():
@@ -80,11 +80,10 @@ def main(argv):
             print(json.dumps({"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
                               cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
                               "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}), flush=True)
-    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, IS_VARLEN=False,
-                                                    HAS_SEQUSED_Q=False), 4, 1)
+    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128), 4, 1)
     print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
-    c = compile_kernel(_seq_order_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED=False), 4, 1)
-    print(json.dumps({"kernel": "seq_order", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
+    c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False), 4, 1)
+    print(json.dumps({"kernel": "schedule", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
 
 
 if __name__ == "__main__":

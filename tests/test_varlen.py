@@ -11,8 +11,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashtile
+from flashtile.kernels.seqlen import tile_coords
 from flashtile.testing import attention_ref, check_close, nan_guarded
 
 MASKS = {  # name -> (causal, window_size)
@@ -185,22 +188,68 @@ def test_fully_masked_rows(device):
     assert not any(torch.isnan(t).any() for t in grads)
 
 
-def test_sequence_order_is_longest_first(device):
+def test_max_seqlen_is_not_needed(device, monkeypatch):
+    """The grid is a tile list bounded by the packed totals, so with the (flash-attn compatibility) value check
+    off, a max_seqlen far too small still computes every row."""
+    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, [40, 3, 33], [17, 50, 33], seed=18)
+    want = grads_of(lambda q, k, v: flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 50, causal=True),
+                    (q, k, v), dout)
+    monkeypatch.setattr(flashtile.problem, "value_checks", lambda *tensors: False)
+    got = grads_of(lambda q, k, v: flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 0, causal=True),
+                   (q, k, v), dout)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_schedule_is_longest_first(device):
     from flashtile.kernels.seqlen import MAX_SORT
-    from flashtile.ops.common import seq_order
+    from flashtile.ops.common import schedule
     lengths = [3, 9, 0, 9, 4, 1, 7]
-    order = seq_order(cu_seqlens(lengths, device), None)
-    assert order.tolist() == [1, 3, 6, 4, 0, 5, 2]
+    tiled = [5, 6, 7, 8, 9, 10, 11]
+    cu, cu_tiled = cu_seqlens(lengths, device), cu_seqlens(tiled, device)
+    order, rows = schedule(cu_tiled, None, cu, None).tolist()
+    assert order == [1, 3, 6, 4, 0, 5, 2] and rows == [tiled[b] for b in order]
     used = torch.tensor([5, 0, 0, 2, 4, 1, 7], dtype=torch.int32, device=device)
-    assert seq_order(cu_seqlens(lengths, device), used).tolist() == [6, 0, 4, 3, 5, 1, 2]
-    # More sequences than one sort: each chunk of MAX_SORT is sorted on its own, and all of them are visited.
+    order, rows = schedule(cu_tiled, used, cu, used).tolist()
+    assert order == [6, 0, 4, 3, 5, 1, 2] and rows == [used[b] for b in order]
+    # More sequences than one sort: each chunk of MAX_SORT is sorted on its own, and every sequence is listed.
     lengths = torch.randint(0, 50, (2 * MAX_SORT + 300,), generator=torch.Generator().manual_seed(0)).tolist()
-    order = seq_order(cu_seqlens(lengths, device), None).tolist()
+    order = schedule(cu_seqlens(lengths, device), None, cu_seqlens(lengths, device), None)[0].tolist()
     assert sorted(order) == list(range(len(lengths)))
     for start in range(0, len(lengths), MAX_SORT):
         chunk = order[start:start + MAX_SORT]
         assert set(chunk) == set(range(start, min(start + MAX_SORT, len(lengths))))
         assert [lengths[b] for b in chunk] == sorted((lengths[b] for b in chunk), reverse=True)
+
+
+@triton.jit
+def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    b, tile = tile_coords(SCHEDULE, batch, BLOCK, LAST_FIRST, True)
+    tl.store(OUT + 2 * tl.program_id(0), b)
+    tl.store(OUT + 2 * tl.program_id(0) + 1, tile)
+
+
+@pytest.mark.parametrize("many, last_first", [(False, False), (True, True)], ids=["20", "CHUNK+77"])
+def test_tile_list(device, many, last_first):
+    """Every tile of every sequence exactly once, in schedule order (over more sequences than one CHUNK); the
+    programs past the list get a tile index past any sequence."""
+    from flashtile.kernels.seqlen import CHUNK
+    from flashtile.ops.common import schedule, tile_grid
+    batch, block = CHUNK.value + 77 if many else 20, 4
+    lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
+    lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
+    cu = cu_seqlens(lengths.tolist(), device)
+    sched = schedule(cu, None, cu, None)
+    programs = tile_grid(block, 0, int(lengths.sum()), batch, 1, True)[0]
+    out = torch.full((programs, 2), -1, dtype=torch.int32, device=device)
+    _tile_coords_probe[(programs,)](sched, out, batch, BLOCK=block, LAST_FIRST=last_first)
+    want = []
+    for b in sched[0].tolist():
+        tiles = list(range(math.ceil(int(lengths[b]) / block)))
+        want += [(b, t) for t in (tiles[::-1] if last_first else tiles)]
+    got = [tuple(row) for row in out.tolist()]
+    assert got[:len(want)] == want
+    assert all(tile * block >= 2**31 - block for _, tile in got[len(want):])
 
 
 # ---------------------------------------------------------------------------------------------------------------

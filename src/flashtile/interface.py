@@ -137,9 +137,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             each sequence's key count only; its keys are rows 0, 1, ... of its pages.
         max_seqlen_q: int, the longest query sequence (with seqused_q: the largest seqused_q).
         max_seqlen_k: int, the longest key sequence (with seqused_k: the largest seqused_k).
-            They size the launch grid. A larger value is correct and costs only idle programs; a smaller one
-            leaves the rows of longer sequences past it uncomputed (their out, lse and gradients are undefined,
-            though nothing outside the tensors is ever read or written). Caught when the values are checked.
+            flash-attn sizes its grid with them; flashtile does not need them (its grid is a list of the
+            sequences' tiles, built on the device), so a wrong value changes nothing. They are still checked
+            with the other values, for code that must also run on flash-attn.
         dropout_p: must be 0.0 (a non-zero value raises NotImplementedError).
         softmax_scale: scaling of qkᵀ before the softmax; default 1 / sqrt(headdim).
         causal: causal mask, aligned bottom-right within each sequence. A row with no visible key outputs 0.

@@ -195,8 +195,9 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
     q (total_q, H, D); k/v (total_k, Hk, D), or paged caches (num_blocks, page_size, Hk, D) with block_table
     (B, max_num_blocks_per_seq); cu_seqlens_q/k (B + 1,) int32. Value checks (see the module note): cu_seqlens start
-    at 0, never decrease and end at the packed total; max_seqlen is at least every sequence's length; seqused lies
-    in [0, length]; a paged sequence fits its block-table row, whose pages it owns are pages of the cache.
+    at 0, never decrease and end at the packed total; seqused lies in [0, length]; a paged sequence fits its
+    block-table row, whose pages it owns are pages of the cache; max_seqlen is at least every sequence's length
+    (flashtile's kernels do not use it, flash-attn's do: the check keeps code portable).
     """
     paged = block_table is not None
     check_tensor("q", q, 3)

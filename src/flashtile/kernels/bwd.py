@@ -13,48 +13,44 @@ Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse *
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
   dK += dS^T Q;  dQ += dS K;  finally dK and dQ are scaled by softmax_scale.
 Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys past seqlen_k are zero rows
-(descriptor zero-fill) and are masked where they could reach a stored value. Varlen grids are sized by max_seqlen
-and the dK/dV and dQ kernels visit sequences longest first, as in the forward (Note [max_seqlen sizes the grid] in
-fwd.py, Note [longest sequences first] in seqlen.py). Offsets that can pass 2^31 elements are int64, as there.
-Does not do dropout or paged K/V.
+(descriptor zero-fill) and are masked where they could reach a stored value. Varlen dK/dV and dQ grids are tile
+lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); the preprocess
+kernel is per row, so it sees a varlen batch as one sequence of total_q rows. Offsets that can pass 2^31 elements
+are int64, as in the forward. Does not do dropout or paged K/V.
 """
 
 import triton
 import triton.language as tl
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
-from .seqlen import seq_index, seq_info
+from .seqlen import seq_info, tile_coords
 
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q,
+    O, DO, DELTA,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
     seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     m_start = pid_m * BLOCK_M
-    if m_start >= seqlen_q:
-        return
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
+    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + h64 * stride_oh,
                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh,
                                         shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
                                         block_shape=[BLOCK_M, BLOCK_D])
     o = o_desc.load([m_start, 0]).to(tl.float32)
     do = do_desc.load([m_start, 0]).to(tl.float32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -92,7 +88,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SEQ_ORDER,
+    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -100,16 +96,16 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k,
+    seqlen_q, seqlen_k, batch,
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    # Under a causal mask the first key tiles are seen by the most queries: take them first.
+    b, pid_n = tile_coords(SCHEDULE, batch, BLOCK_N, False, IS_VARLEN)
     hk = tl.program_id(1)
-    b = seq_index(tl.program_id(2), SEQ_ORDER, IS_VARLEN)
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
     n_start = pid_n * BLOCK_N
@@ -197,23 +193,22 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SEQ_ORDER,
+    Q, K, V, DO, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k,
+    seqlen_q, seqlen_k, batch,
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
     h = tl.program_id(1)
-    b = seq_index(tl.program_id(2), SEQ_ORDER, IS_VARLEN)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)

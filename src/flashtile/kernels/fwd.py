@@ -18,13 +18,10 @@ Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shape
 writes are dropped) plus a key mask on the last key block; paged loads mask rows past seqlen_k instead, and never
 read a block-table entry for them. Does not do dropout.
 
-Note [max_seqlen sizes the grid]: a varlen grid has cdiv(max_seqlen_q, BLOCK_M) query tiles per sequence; the
-programs past a shorter sequence's end exit at once. A max_seqlen_q smaller than a sequence leaves that sequence's
-last rows uncomputed: their out and lse are undefined (never an out-of-bounds access: every load and store is
-clipped to the sequence's own length, from cu_seqlens/seqused). The API checks max_seqlen when it may read
-cu_seqlens (problem.py). Each program computes exactly one tile rather than striding over several: an outer loop
-around the tile body makes Triton hoist the O staging buffer out of it, 16 KB more shared memory per program
-(d256 would no longer fit on sm_90).
+Grid: dense (query tiles, query heads, B); varlen (query-tile list, query heads), the tiles of every sequence in one
+list ordered longest first (Notes [varlen tile list] and [longest sequences first] in seqlen.py). Either way a
+program computes exactly one tile: a loop over tiles around the body would make Triton hoist the O staging buffer
+out of it, 16 KB more shared memory per program (d256 would no longer fit on sm_90).
 """
 
 import triton
@@ -32,7 +29,7 @@ import triton.language as tl
 
 from .kvcache import cache_coords
 from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
-from .seqlen import seq_index, seq_info
+from .seqlen import seq_info, tile_coords
 
 
 @triton.jit
@@ -107,13 +104,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SEQ_ORDER, BLOCK_TABLE,
+    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_ab, stride_btb,
-    seqlen_q, seqlen_k, page_size,
+    seqlen_q, seqlen_k, batch, page_size,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
@@ -123,9 +120,8 @@ def _attn_fwd_kernel(
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
     h = tl.program_id(1)
-    b = seq_index(tl.program_id(2), SEQ_ORDER, IS_VARLEN)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)

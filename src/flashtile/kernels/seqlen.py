@@ -1,26 +1,38 @@
-"""Per-program sequence information: which sequence a program works on, where it starts and how long it is.
+"""Per-program sequence information: which sequence and tile a program works on, where the sequence starts and
+how long it is.
 
 Dense batches (B, S, H, D) address sequence b through a batch stride and have one length for all; varlen batches
 (total, H, D) have stride_b = 0 and find sequence b at row cu_seqlens[b]. `seqused` (FlashAttention-3) shortens a
 sequence to its first seqused[b] tokens without moving it.
 
-Note [longest sequences first]: a varlen grid's sequence axis is the slowest-varying one, so the GPU starts the
-programs of its sequences in grid order, and a long sequence whose tiles come last leaves a tail in which most
-SMs idle. With few heads per GPU (tensor parallelism) that tail is large: list scheduling simulated on 132 SMs
-with 4 heads and the benchmark's 16-sequence mix, longest sequence last, reaches 66-96% of the ideal in batch
-order and 95-99% longest first (causal or not, one or two programs per SM); with 16 heads the gain is ~1%.
-`_seq_order_kernel` writes, on the device and without a host synchronisation, the order in which grid index z
-visits sequences: by decreasing length, so that the most expensive tiles start first and the cheapest fill the
-tail (longest-processing-time-first list scheduling). It sorts chunks of up to MAX_SORT sequences separately:
-with more sequences than that, each chunk is a full wave of work and the order inside a chunk is what shapes the
-tail. The tiles of one sequence stay neighbours in launch order, which keeps its K/V shared through L2.
+Note [varlen tile list]: a dense grid is (tiles, heads, B). A varlen grid of that shape would need the longest
+sequence's tile count for every sequence, and the programs past a shorter sequence's end would only read
+cu_seqlens and exit: on a mix of 256..4096 tokens that is three programs in four, each holding an SM slot. So a
+varlen grid is (tile bound, heads): the tiles of all sequences in one list, whose length is bounded from the
+packed total alone (sum of cdiv(len_b, BLOCK) <= cdiv(total, BLOCK) + B), with no host synchronisation and
+without reading max_seqlen. `_schedule_kernel` writes the sequences in launch order with their tiled lengths;
+program t walks it once (`tile_coords`: a prefix sum of tile counts, CHUNK sequences per step) to find its
+(sequence, tile): one read of the schedule (8 KB from L2 for up to 1024 sequences) and a prefix sum per program, in
+place of the idle programs. At most B programs per head are left over past the list, and they exit at once.
+
+Note [longest sequences first]: the list is in order of decreasing cost per tile (the length of the axis each
+tile sweeps: keys for the forward and dQ, queries for dK/dV), and within a sequence the most expensive tile comes
+first. That is longest-processing-time-first list scheduling: the tiles that start last are the cheapest, so the
+wave ends evenly. In batch order a long sequence that comes last leaves most SMs idle while it finishes; list
+scheduling simulated on 132 SMs with 4 heads (tensor parallelism) and the benchmark's 16-sequence mix, longest
+sequence last, reaches 66-96% of the ideal in batch order and 95-99% longest first (causal or not, one or two
+programs per SM); with 16 heads the gain is ~1%. The tiles of one sequence and head stay neighbours in launch
+order, which keeps its K/V shared through L2. `_schedule_kernel` sorts chunks of up to MAX_SORT sequences
+separately: with more sequences than that, each chunk is a full wave of work.
+
 This file only computes indices, offsets and lengths.
 """
 
 import triton
 import triton.language as tl
 
-MAX_SORT = 1024  # sequences sorted together by _seq_order_kernel (one bitonic sort per program)
+MAX_SORT = 1024  # sequences sorted together by _schedule_kernel (one bitonic sort per program)
+CHUNK = tl.constexpr(1024)  # sequences tile_coords reads per step: one step up to 1024 sequences
 
 
 @triton.jit
@@ -38,28 +50,66 @@ def seq_info(b, seqlen, cu_seqlens, seqused, IS_VARLEN: tl.constexpr, HAS_SEQUSE
 
 
 @triton.jit
-def seq_index(z, seq_order, IS_VARLEN: tl.constexpr):
-    """The sequence that grid index z works on: varlen grids visit them in seq_order (Note [longest sequences
-    first]); dense ones, whose sequences are all alike, in batch order."""
-    if IS_VARLEN:
-        return tl.load(seq_order + z)
-    return z
+def seq_lengths(b, ok, cu_seqlens, seqused, HAS_SEQUSED: tl.constexpr):
+    """Lengths of sequences b (a vector; entries with ok false read nothing and are 0)."""
+    if HAS_SEQUSED:
+        length = tl.load(seqused + b, mask=ok, other=0)
+    else:
+        length = tl.load(cu_seqlens + b + 1, mask=ok, other=0) - tl.load(cu_seqlens + b, mask=ok, other=0)
+    # Clamped so that a malformed (decreasing) cu_seqlens cannot make a negative tile count.
+    return tl.maximum(length, 0)
 
 
 @triton.jit
-def _seq_order_kernel(CU_SEQLENS, SEQUSED, ORDER, batch,
-                      BLOCK_B: tl.constexpr, HAS_SEQUSED: tl.constexpr):
-    """ORDER[chunk] = the sequences of this program's chunk of BLOCK_B, longest first; ties keep batch order."""
+def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence b, tile index) of this program; tiles are BLOCK rows of the axis the grid's first dimension tiles.
+
+    Dense: (program_id(2), program_id(0)), counted from the last tile if LAST_FIRST. Varlen: program_id(0) is a
+    position in the tile list (Note [varlen tile list]); SCHEDULE is (2, batch) int32, the sequences in launch
+    order and their tiled lengths. Within a sequence the tiles come last first if LAST_FIRST. A program past the
+    list gets sequence 0 and a tile index past any sequence's end, so its end-of-sequence check exits it.
+    """
+    if IS_VARLEN:
+        t = tl.program_id(0)
+        b = 0
+        tile = (2**31 - 1) // BLOCK
+        before = 0  # tiles of the sequences in earlier chunks
+        for first in range(0, batch, CHUNK):
+            z = first + tl.arange(0, CHUNK)
+            ok = z < batch
+            seq = tl.load(SCHEDULE + z, mask=ok, other=0)
+            tiles = tl.cdiv(tl.load(SCHEDULE + batch + z, mask=ok, other=0), BLOCK)
+            end = before + tl.cumsum(tiles, 0)
+            mine = (end - tiles <= t) & (t < end)  # true for at most one sequence (never for an empty one)
+            if LAST_FIRST:
+                index = end - 1 - t
+            else:
+                index = t - (end - tiles)
+            b = tl.maximum(b, tl.max(tl.where(mine, seq, -1), 0))
+            tile = tl.minimum(tile, tl.min(tl.where(mine, index, 2**31 - 1), 0))
+            before += tl.sum(tiles, 0)
+    else:
+        b = tl.program_id(2)
+        if LAST_FIRST:
+            tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        else:
+            tile = tl.program_id(0)
+    return b, tile
+
+
+@triton.jit
+def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, batch,
+                     BLOCK_B: tl.constexpr, HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr):
+    """SCHEDULE[0, chunk] = this program's chunk of BLOCK_B sequences by decreasing cost length (ties keep batch
+    order); SCHEDULE[1, chunk] = their tiled lengths. Notes [varlen tile list] and [longest sequences first]."""
     i = tl.arange(0, BLOCK_B)
     first = tl.program_id(0) * BLOCK_B
-    b = first + i
-    ok = b < batch
-    if HAS_SEQUSED:
-        length = tl.load(SEQUSED + b, mask=ok, other=0)
-    else:
-        length = tl.load(CU_SEQLENS + b + 1, mask=ok, other=0) - tl.load(CU_SEQLENS + b, mask=ok, other=0)
-    # One sortable key per sequence: the length, then the reversed position so that equal lengths keep their order
-    # in a descending sort. Clamping keeps a malformed (decreasing) cu_seqlens from sorting below the padding.
-    key = tl.where(ok, tl.maximum(length, 0).to(tl.int64) * BLOCK_B + (BLOCK_B - 1 - i), -1)
+    ok = first + i < batch
+    cost = seq_lengths(first + i, ok, CU_COST, SEQUSED_COST, HAS_SEQUSED_COST)
+    # One sortable key per sequence: the cost, then the reversed position so that equal costs keep their order in
+    # a descending sort; padding sorts last.
+    key = tl.where(ok, cost.to(tl.int64) * BLOCK_B + (BLOCK_B - 1 - i), -1)
     key = tl.sort(key, descending=True)
-    tl.store(ORDER + b, first + (BLOCK_B - 1 - key % BLOCK_B).to(tl.int32), mask=ok)
+    b = first + (BLOCK_B - 1 - key % BLOCK_B).to(tl.int32)
+    tl.store(SCHEDULE + first + i, b, mask=ok)
+    tl.store(SCHEDULE + batch + first + i, seq_lengths(b, ok, CU_TILED, SEQUSED_TILED, HAS_SEQUSED_TILED), mask=ok)

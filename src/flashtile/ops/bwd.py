@@ -1,10 +1,11 @@
 """Backward launcher and the `flashtile::bwd` custom op: preprocess (delta), dK/dV, then dQ.
 
-Grids: preprocess and dQ are (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles,
-KV heads, sequences) and each program loops over its GQA group, so nothing is reduced across programs and the
-result is bitwise reproducible. Varlen dK/dV and dQ grids visit sequences longest first, as the forward does:
-dQ tiles cost in proportion to the sequence's keys, dK/dV tiles to its queries, so each sorts by that length.
-Packed inputs get their gradients written into one buffer of the packed shape.
+Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles, KV heads, sequences)
+and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
+reproducible. Varlen batches get the forward's tile lists (kernels/seqlen.py): dQ tiles cost in proportion to
+their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest sequences first. The
+preprocess (delta per row) sees a varlen batch as one sequence of total_q rows. Packed inputs get their gradients
+written into one buffer of the packed shape.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch,
-                     seq_order, tma_ready, unpack)
+                     schedule, tile_grid, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 
 
@@ -61,10 +62,10 @@ def attention_bwd(
     dout = tma_ready(dout)
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-        # As in the forward: no sequence is longer than its packed total.
-        seqlen_q, seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
-        order_dkdv, order_dq = seq_order(cu_seqlens_q, seqused_q), seq_order(cu_seqlens_k, seqused_k)
+        # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths.
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        order_dkdv = schedule(cu_seqlens_k, seqused_k, cu_seqlens_q, seqused_q)
+        order_dq = schedule(cu_seqlens_q, seqused_q, cu_seqlens_k, seqused_k)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order_dkdv = order_dq = None
@@ -75,26 +76,31 @@ def attention_bwd(
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     prepare_launch(q)
 
+    # delta is per row, so a varlen batch is one sequence of total_q rows here (rows past seqused_q have out = 0,
+    # hence delta = 0, and no kernel reads them).
     delta = torch.empty_like(lse)
     cfg = tile_config("fwd", head_dim)
-    _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
-        out, dout, delta, cu_seqlens_q, seqused_q,
-        *bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), seqlen_q,
-        **dims, BLOCK_M=cfg.block_m, IS_VARLEN=varlen, HAS_SEQUSED_Q=seqused_q is not None,
+    rows, seqs = (q.shape[0], 1) if varlen else (seqlen_q, batch)
+    _bwd_preprocess_kernel[(triton.cdiv(rows, cfg.block_m), nheads, seqs)](
+        out, dout, delta,
+        *bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), rows,
+        **dims, BLOCK_M=cfg.block_m,
     )
     common = dict(GROUP=nheads // nheads_kv, **dims, **flags)
-    scalars = (seqlen_q, seqlen_k, qk_scale, softcap2, softmax_scale, window_left, window_right)
+    scalars = (seqlen_q, seqlen_k, batch, qk_scale, softcap2, softmax_scale, window_left, window_right)
     strides_qkv_do = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                       *bmh_strides(dout, varlen))
     tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
 
     launch(
-        _bwd_dkdv_kernel, "bwd_dkdv", head_dim, lambda _, block_n: (triton.cdiv(seqlen_k, block_n), nheads_kv, batch),
+        _bwd_dkdv_kernel, "bwd_dkdv", head_dim,
+        lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen),
         q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
         *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
     )
     launch(
-        _bwd_dq_kernel, "bwd_dq", head_dim, lambda block_m, _: (triton.cdiv(seqlen_q, block_m), nheads, batch),
+        _bwd_dq_kernel, "bwd_dq", head_dim,
+        lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
         q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
         *strides_qkv_do, *bmh_strides(dq, varlen), *tail, **common,
     )

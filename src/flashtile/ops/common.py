@@ -10,7 +10,7 @@ import triton
 
 from .. import env
 from ..config import CANDIDATES, TileConfig, block_d, tile_config
-from ..kernels.seqlen import MAX_SORT, _seq_order_kernel
+from ..kernels.seqlen import MAX_SORT, _schedule_kernel
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -45,16 +45,26 @@ def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def seq_order(cu_seqlens: torch.Tensor, seqused) -> torch.Tensor:
-    """(B,) int32, the order in which a varlen grid visits sequences: longest first, computed on the device without
-    a host synchronisation (Note [longest sequences first] in kernels/seqlen.py). One small launch."""
-    batch = cu_seqlens.shape[0] - 1
-    order = torch.empty(batch, dtype=torch.int32, device=cu_seqlens.device)
+def schedule(cu_tiled: torch.Tensor, seqused_tiled, cu_cost: torch.Tensor, seqused_cost) -> torch.Tensor:
+    """(2, B) int32 on the device: the sequences in launch order, longest `cost` side first, and the lengths of their
+    `tiled` side (the axis the grid tiles). One small launch, no host synchronisation. Notes [varlen tile list]
+    and [longest sequences first] in kernels/seqlen.py."""
+    batch = cu_tiled.shape[0] - 1
+    out = torch.empty((2, batch), dtype=torch.int32, device=cu_tiled.device)
     if batch > 0:
         block = min(MAX_SORT, triton.next_power_of_2(batch))
-        _seq_order_kernel[(triton.cdiv(batch, block),)](cu_seqlens, seqused, order, batch, BLOCK_B=block,
-                                                         HAS_SEQUSED=seqused is not None)
-    return order
+        _schedule_kernel[(triton.cdiv(batch, block),)](
+            cu_tiled, seqused_tiled, cu_cost, seqused_cost, out, batch, BLOCK_B=block,
+            HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None)
+    return out
+
+
+def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varlen: bool) -> tuple[int, int, int]:
+    """(tiles, heads, sequences) for a dense batch; (tile list, heads, 1) for a varlen one, whose list of
+    sum_b cdiv(len_b, block) <= cdiv(total, block) + batch tiles is bounded whatever the lengths are."""
+    if varlen:
+        return triton.cdiv(total, block) + batch, heads, 1
+    return triton.cdiv(seqlen, block), heads, batch
 
 
 def alibi_batch_stride(alibi_slopes) -> int:

@@ -1,13 +1,12 @@
 """Forward launcher and the `flashtile::fwd` custom op (dense, varlen and paged-varlen share it).
 
-Grid: (query tiles, query heads, sequences). The query-tile axis is the fastest-varying one so that programs
-running together read the same K/V head and share it through L2. Within a (head, sequence) the kernel takes the
-query tiles last to first (under a causal mask the last do the most work); varlen grids also visit sequences
-longest first, through an order computed on the device (Note [longest sequences first] in kernels/seqlen.py).
-That is list scheduling with the longest tiles first, which keeps every SM busy to the end of a mixed batch
-without a host synchronisation and without a persistent kernel's tile queue. The price of the rectangular grid:
-programs past a shorter sequence's last tile exit after reading its cu_seqlens entries (a few dependent loads each,
-not measured). A tile list built on the device would remove them, at the price of a lookup in every program.
+Grid: dense (query tiles, query heads, sequences); varlen (query-tile list, query heads), whose first axis lists
+the tiles of every sequence, built on the device and bounded by the packed total, not by max_seqlen_q (Note
+[varlen tile list] in kernels/seqlen.py). The tile axis is the fastest-varying one so that programs running
+together read the same K/V head and share it through L2. Tiles start longest first: the last query tiles of a
+sequence first (under a causal mask they do the most work), and in a varlen batch the sequences with the most
+keys first (Note [longest sequences first]). That is list scheduling with the longest tiles first, which keeps
+every SM busy to the end of a mixed batch without a host synchronisation and without a persistent kernel's queue.
 """
 
 from __future__ import annotations
@@ -15,11 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from ..kernels.fwd import _attn_fwd_kernel
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch, seq_order,
+from .common import (alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch, schedule, tile_grid,
                      tma_ready, unpack)
 
 
@@ -68,10 +66,9 @@ def attention_fwd(
         return out, lse
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-        # No sequence is longer than the packed total: a larger max_seqlen_q would only add idle programs.
-        seqlen_q, seqlen_k = min(max_seqlen_q, q.shape[0]), max_seqlen_k
-        order = seq_order(cu_seqlens_k, seqused_k)
+        # The kernel reads each sequence's lengths; max_seqlen_q/k size nothing (Note [varlen tile list]).
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        order = schedule(cu_seqlens_q, seqused_q, cu_seqlens_k, seqused_k)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order = None
@@ -83,11 +80,12 @@ def attention_fwd(
     stride_btb, page_size = (block_table.stride(0), k.shape[1]) if paged else (0, 1)
     prepare_launch(q)
     launch(
-        _attn_fwd_kernel, "fwd", head_dim, lambda block_m, _: (triton.cdiv(seqlen_q, block_m), nheads, batch),
+        _attn_fwd_kernel, "fwd", head_dim,
+        lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
         q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
         *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
         *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
-        seqlen_q, seqlen_k, page_size, qk_scale, softcap2, window_left, window_right,
+        seqlen_q, seqlen_k, batch, page_size, qk_scale, softcap2, window_left, window_right,
         GROUP=nheads // nheads_kv, PAGED=paged, **head_dims(head_dim), **flags,
     )
     return out, lse
