@@ -578,38 +578,40 @@ def test_gpu_paged(device, page_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["token_major", "head_major"])
-def test_gpu_more_than_2_31_elements(device, layout):
-    """1025 sequences of 1024 tokens, 16 heads of 128: 2^31 + 2^21 elements per tensor (4.3 GB in bf16). The
-    first and last sequences, forward and backward, against the fp64 reference. head_major makes the head stride
-    the large one ((H, total, D) storage viewed as (total, H, D))."""
-    torch.cuda.empty_cache()
+def test_gpu_more_than_2_31_elements(device):
+    """1025 sequences of 1024 tokens, 16 heads of 128: 2^31 + 2^21 elements per tensor (4.3 GB in bf16, ~35 GB in
+    all). The first and last sequences, forward and backward, against the fp64 reference. head_major views
+    (H, total, D) storage as (total, H, D), so that the head stride is the large one. The layouts run one after the
+    other to keep the peak at one problem's memory."""
     seqs, n, nheads, head_dim = 1025, 1024, 16, 128
     total = seqs * n
     assert total * nheads * head_dim > 2**31
     g = torch.Generator(device=device).manual_seed(15)
-
-    def make():
-        shape = (nheads, total, head_dim) if layout == "head_major" else (total, nheads, head_dim)
-        t = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
-        return (t.transpose(0, 1) if layout == "head_major" else t).requires_grad_()
-
-    q, k, v = make(), make(), make()
     cu = torch.arange(0, total + 1, n, dtype=torch.int32, device=device)
-    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
-    dout = torch.randn(out.shape, device=device, dtype=torch.bfloat16, generator=g)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    for rows in (slice(0, n), slice(total - n, total)):
-        ref_in = [t[rows].detach().double().requires_grad_() for t in (q, k, v)]
-        ref_out, _ = attention_ref(*(t[None] for t in ref_in), causal=True)
-        ref_grads = torch.autograd.grad(ref_out, ref_in, dout[None, rows])
-        pt_in = [t[rows][None].detach().clone().requires_grad_() for t in (q, k, v)]
-        pt_out, _ = attention_ref(*pt_in, causal=True, upcast=False)
-        pt_grads = torch.autograd.grad(pt_out, pt_in, dout[None, rows])
-        check_close("out", out[rows], ref_out[0], pt_out[0], 2)
-        scale = max(t.abs().max().item() for t in ref_grads)
-        for name, ours, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, pt_grads):
-            check_close(name, ours[rows], ref, pt[0], 3, scale)
+    for layout in ("token_major", "head_major"):
+        torch.cuda.empty_cache()
+
+        def make():
+            shape = (nheads, total, head_dim) if layout == "head_major" else (total, nheads, head_dim)
+            t = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
+            return (t.transpose(0, 1) if layout == "head_major" else t).requires_grad_()
+
+        q, k, v = make(), make(), make()
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
+        dout = torch.randn(out.shape, device=device, dtype=torch.bfloat16, generator=g)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        for rows in (slice(0, n), slice(total - n, total)):
+            ref_in = [t[rows].detach().double().requires_grad_() for t in (q, k, v)]
+            ref_out, _ = attention_ref(*(t[None] for t in ref_in), causal=True)
+            ref_grads = torch.autograd.grad(ref_out, ref_in, dout[None, rows])
+            pt_in = [t[rows][None].detach().clone().requires_grad_() for t in (q, k, v)]
+            pt_out, _ = attention_ref(*pt_in, causal=True, upcast=False)
+            pt_grads = torch.autograd.grad(pt_out, pt_in, dout[None, rows])
+            check_close(f"{layout} out", out[rows], ref_out[0], pt_out[0], 2)
+            scale = max(t.abs().max().item() for t in ref_grads)
+            for name, ours, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, pt_grads):
+                check_close(f"{layout} {name}", ours[rows], ref, pt[0], 3, scale)
+        del q, k, v, out, dout, dq, dk, dv
 
 
 @pytest.mark.gpu
