@@ -7,15 +7,15 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
 sha=${1:-unknown}
 mkdir -p "$out"
-timeout 150 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rf tests 2>&1 | cut -c1-300 > "$out/gpu_tests.log"
-timeout 70 python3 -m flashtile bench --preset decode --backends flashtile,sdpa-cudnn,sdpa-flash --rep-ms 30 \
+timeout 120 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rf tests 2>&1 | cut -c1-300 > "$out/gpu_tests.log"
+timeout 60 python3 -m flashtile bench --preset decode --backends flashtile,sdpa-cudnn,sdpa-flash --rep-ms 30 \
   --meta "git_sha=$sha" --json "$out/decode.json" > "$out/decode.log" 2>&1
-timeout 70 python3 -m flashtile bench --preset varlen --backends flashtile,flex --meta "git_sha=$sha" \
+timeout 50 python3 -m flashtile bench --preset varlen --backends flashtile,flex --meta "git_sha=$sha" \
   --json "$out/varlen.json" > "$out/varlen.log" 2>&1
-timeout 40 python3 -m flashtile bench --preset standard --head-dim 128 --seqlen 1024,4096 --backends flashtile \
+timeout 30 python3 -m flashtile bench --preset standard --head-dim 128 --seqlen 1024,4096 --backends flashtile \
   --meta "git_sha=$sha" --json "$out/dense-d128.json" > "$out/dense.log" 2>&1
-timeout 40 python3 tools/peak_memory.py > "$out/memory.log" 2>&1
-timeout 60 python3 tools/tune_tiles.py --seqlen 1024 --head-dims 128 --json "$out/tune-s1k.json" > "$out/tune-s1k.log" 2>&1
+timeout 30 python3 tools/peak_memory.py > "$out/memory.log" 2>&1
+timeout 50 python3 tools/tune_tiles.py --seqlen 1024 --head-dims 128 --json "$out/tune-s1k.json" > "$out/tune-s1k.log" 2>&1
 grep -E "^FAILED|passed|failed" "$out/gpu_tests.log" | head -20
 tail -4 "$out/memory.log"
 grep -E "BEST" "$out/tune-s1k.log"
