@@ -610,3 +610,24 @@ def test_gpu_cuda_graph_capture():
     seqlens_t.copy_(torch.tensor([1, 100, 2000, 3000, 4000, 5000, 6000, 8000], dtype=torch.int32))
     graph.replay()
     torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+def test_out_of_range_cache_seqlens_never_touch_foreign_memory(device):
+    """Without FLASHTILE_CHECK a bad cache_seqlens is not caught on the host (that would sync the device); the
+    kernels clamp reads to the capacity and drop appended rows past it, so memory outside the caches stays intact
+    (NaN guard bands around them would otherwise change, and a GPU would fault)."""
+    g = torch.Generator().manual_seed(5)
+    buf_k = torch.full((3, 2, 40, 2, 32), float("nan"), dtype=torch.float16, device=device)
+    buf_v = buf_k.clone()
+    k_cache, v_cache = buf_k[1], buf_v[1]
+    k_cache.copy_(torch.randn(2, 40, 2, 32, generator=g).half())
+    v_cache.copy_(torch.randn(2, 40, 2, 32, generator=g).half())
+    q = torch.randn(2, 1, 4, 32, generator=g).half().to(device)
+    k_new, v_new = (torch.randn(2, 1, 2, 32, generator=g).half().to(device) for _ in range(2))
+    before = buf_k.clone(), buf_v.clone()
+    # Row 45 of sequence 0 would be row 5 of sequence 1; row -3 of sequence 1 would be row 37 of sequence 0.
+    seqlens = torch.tensor([45, -3], dtype=torch.int32, device=device)
+    out = kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens)
+    assert torch.isfinite(out).all()
+    for buf, old in zip((buf_k, buf_v), before):
+        assert torch.equal(buf.nan_to_num(7.0), old.nan_to_num(7.0)), "a row outside a sequence's cache was written"

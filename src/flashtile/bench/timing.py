@@ -41,6 +41,9 @@ def measure(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = 
         import triton.testing
 
         if graph:
+            # do_bench_cudagraph runs on a fresh side stream that does not wait for the default one: let the
+            # inputs (and cache lengths) made there land first, or the first call reads unwritten memory.
+            torch.cuda.synchronize()
             try:
                 ms, p20, p80 = triton.testing.do_bench_cudagraph(run, rep=rep_ms, quantiles=list(QUANTILES))
                 return Timing(ms, p20, p80, "cuda graph")

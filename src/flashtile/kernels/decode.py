@@ -104,7 +104,7 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_btb, stride_ab, stride_cos,
-    seqlen_q, seqlen_new, page_size, rotary_dim, num_splits, num_m_tiles,
+    seqlen_q, seqlen_new, page_size, capacity, rotary_dim, num_splits, num_m_tiles,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -124,11 +124,13 @@ def _decode_kernel(
     cache_b = b
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + b)
-    seqlen_cache = tl.load(CACHE_SEQLENS + b)
+    # Lengths come from device memory and are checked only under FLASHTILE_CHECK=1 (a host sync). Clamping them to
+    # the rows a sequence can own keeps a bad value from ever addressing memory outside its cache.
+    seqlen_cache = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), capacity - seqlen_new)
     r_hi = seqlen_cache + seqlen_new  # one past the last physical row
     r_lo = 0
     if HAS_LEFTPAD:
-        r_lo = tl.load(LEFTPAD + b)
+        r_lo = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), r_hi)
     seqlen_k = r_hi - r_lo
     diag = seqlen_k - seqlen_q
 

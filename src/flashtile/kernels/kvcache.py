@@ -70,7 +70,7 @@ def _append_kv_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_btb, stride_cos,
-    seqlen_new, page_size, rotary_dim,
+    seqlen_new, page_size, capacity, rotary_dim,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
 ):
@@ -79,9 +79,11 @@ def _append_kv_kernel(
     b = tl.program_id(2)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)[None, :]
-    t_ok = t < seqlen_new
-    mask = t_ok[:, None] & (d < HEAD_DIM)
     r = tl.load(CACHE_SEQLENS + b) + t
+    # cache_seqlens is checked against the capacity only under FLASHTILE_CHECK=1 (a host sync); rows it would put
+    # outside the sequence's cache are dropped here, so a bad value never writes memory the sequence does not own.
+    t_ok = (t < seqlen_new) & (r >= 0) & (r < capacity)
+    mask = t_ok[:, None] & (d < HEAD_DIM)
     cache_b = b
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + b)
