@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
-from .seqlen import seq_info, tile_coords
+from .seqlen import row_desc, seq_info, tile_coords
 
 
 @triton.jit
@@ -41,12 +41,8 @@ def _bwd_preprocess_kernel(
     m_start = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + h64 * stride_oh,
-                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
-                                       block_shape=[BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh,
-                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
-                                        block_shape=[BLOCK_M, BLOCK_D])
+    o_desc = row_desc(O + b64 * stride_ob + h64 * stride_oh, seqlen_q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D)
+    do_desc = row_desc(DO + b64 * stride_dob + h64 * stride_doh, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
     o = o_desc.load([m_start, 0]).to(tl.float32)
     do = do_desc.load([m_start, 0]).to(tl.float32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -113,12 +109,10 @@ def _bwd_dkdv_kernel(
         return
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D])
+    k_desc = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                      seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v_desc = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                      seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
     k = k_desc.load([n_start, 0])
     v = v_desc.load([n_start, 0])
     if UPCAST:
@@ -133,12 +127,10 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         h64 = h.to(tl.int64)
-        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
-                                           shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
-                                            shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
-                                            block_shape=[BLOCK_M, BLOCK_D])
+        q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
+                          seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+        do_desc = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
+                           seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
         LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
         slope2 = 0.0
@@ -153,12 +145,10 @@ def _bwd_dkdv_kernel(
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
                                  seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh,
-                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_dkn, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D])
-    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh,
-                                        shape=[seqlen_k, HEAD_DIM], strides=[stride_dvn, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D])
+    dk_desc = row_desc(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh,
+                       seqlen_k, stride_dkn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    dv_desc = row_desc(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh,
+                       seqlen_k, stride_dvn, BLOCK_N, HEAD_DIM, BLOCK_D)
     dk_desc.store([n_start, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
     dv_desc.store([n_start, 0], dv.to(DV.dtype.element_ty))
 
@@ -218,18 +208,14 @@ def _bwd_dq_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
-                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
-                                       block_shape=[BLOCK_M, BLOCK_D])
-    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
-                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
-                                        block_shape=[BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                                       shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D])
+    q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
+                      seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+    do_desc = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
+                       seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+    k_desc = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                      seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v_desc = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                      seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
     q = q_desc.load([m_start, 0])
     do = do_desc.load([m_start, 0])
     if UPCAST:
@@ -257,7 +243,6 @@ def _bwd_dq_kernel(
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
                        qk_scale, softcap2, slope2, BLOCK_N, True,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh,
-                                        shape=[seqlen_q, HEAD_DIM], strides=[stride_dqm, 1],
-                                        block_shape=[BLOCK_M, BLOCK_D])
+    dq_desc = row_desc(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh,
+                       seqlen_q, stride_dqm, BLOCK_M, HEAD_DIM, BLOCK_D)
     dq_desc.store([m_start, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .kvcache import cache_coords
 from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
-from .seqlen import seq_info, tile_coords
+from .seqlen import row_desc, seq_info, tile_coords
 
 
 @triton.jit
@@ -133,22 +133,18 @@ def _attn_fwd_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
-                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
-                                       block_shape=[BLOCK_M, BLOCK_D])
-    o_desc = tl.make_tensor_descriptor(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
-                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_om, 1],
-                                       block_shape=[BLOCK_M, BLOCK_D])
+    q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
+                      seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+    o_desc = row_desc(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
+                      seqlen_q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D)
     if PAGED:
         k_src = K + hk64 * stride_kh
         v_src = V + hk64 * stride_vh
     else:
-        k_src = tl.make_tensor_descriptor(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                                          shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                                          shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
+        k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                         seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
     diag = seqlen_k - seqlen_q
     offs_m = m_start + tl.arange(0, BLOCK_M)
     i = offs_m[:, None]

@@ -36,6 +36,15 @@ CHUNK = tl.constexpr(1024)  # sequences tile_coords reads per step: one step up 
 
 
 @triton.jit
+def row_desc(base, length, stride_m, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """TMA descriptor over one (sequence, head): rows [0, length) of HEAD_DIM elements from `base`, read and
+    written in (BLOCK_ROWS, BLOCK_D) tiles. Reads past either bound are zeros and writes past them are dropped:
+    that is how every kernel handles a ragged last tile and a head dim below BLOCK_D, without masks."""
+    return tl.make_tensor_descriptor(base, shape=[length, HEAD_DIM], strides=[stride_m, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
 def seq_info(b, seqlen, cu_seqlens, seqused, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr):
     """Returns (first row of sequence b in the packed tensor, its length)."""
     if IS_VARLEN:
