@@ -1,5 +1,6 @@
 """flashtile.bench: FLOP and byte counts, presets, paging, the backends registry's failure paths, --refcheck,
-ranking and timing. Each test runs in well under a second on a CPU; none needs a GPU."""
+ranking, timing, the backward modes' dout. Each test runs in well under a second on a CPU; none needs a
+GPU."""
 
 import dataclasses
 import math
@@ -10,7 +11,7 @@ import torch
 
 from flashtile.bench import run as bench_run
 from flashtile.bench.backends import BACKENDS, Backend, Prepared, Unsupported
-from flashtile.bench.cases import CPU_SHAPES, GPU_SHAPES, VARLEN_MIX, Case, build_cases
+from flashtile.bench.cases import CPU_SHAPES, GPU_SHAPES, VARLEN_MIX, Case, build_cases, preset_runs
 from flashtile.bench.inputs import make_inputs, paginate
 from flashtile.bench.metrics import forward_flops, kv_bytes, timed_flops, visible_pairs
 from flashtile.bench.refcheck import build_reference, check
@@ -55,6 +56,9 @@ def test_varlen_flops_and_bytes_sum_over_sequences():
     case = Case("varlen", 3, 7, 7, nheads=4, nheads_kv=2, headdim=64, seqlens=(3, 5, 7), causal=True)
     assert forward_flops(case) == 4 * 4 * 64 * (6 + 15 + 28)
     assert kv_bytes(case) == 15 * 2 * 64 * 2 * 2  # tokens · Hk · D · (K and V) · bf16
+    assert timed_flops(case) == forward_flops(case)
+    both = dataclasses.replace(case, mode="varlenbwd")
+    assert timed_flops(both) == 3.5 * 4 * 4 * 64 * (6 + 15 + 28)  # backward 2.5× the same per-sequence pairs
 
 
 def test_decode_bytes_count_k_and_v_of_every_kv_head():
@@ -65,7 +69,7 @@ def test_decode_bytes_count_k_and_v_of_every_kv_head():
 
 
 def test_standard_sweep_is_the_papers_sweep():
-    cases = build_cases(["fwd", "fwdbwd"], GPU_SHAPES, "bf16")
+    cases = build_cases(preset_runs("standard"), GPU_SHAPES, "bf16")
     assert len(cases) == 2 * 3 * 2 * 6
     assert all(c.batch * c.seqlen_q == 16384 and c.nheads * c.headdim == 2048 for c in cases)
     assert {c.headdim for c in cases} == {64, 128, 256}
@@ -74,15 +78,23 @@ def test_standard_sweep_is_the_papers_sweep():
 
 
 def test_decode_and_varlen_presets():
-    decode = build_cases(["decode"], GPU_SHAPES, "bf16")
+    decode = build_cases(preset_runs("decode"), GPU_SHAPES, "bf16")
     assert {(c.nheads, c.nheads_kv, c.headdim) for c in decode} == {(32, 8, 128)}
     assert all(c.batch * c.seqlen_k == 262144 for c in decode)
     assert {c.batch for c in decode} == {64, 32, 16, 8, 4, 2}
     assert {c.page_size for c in decode} == {0, 16, 64, 256} and {c.seqlen_q for c in decode} == {1, 4}
-    varlen = build_cases(["varlen"], GPU_SHAPES, "bf16")
-    assert len(varlen) == 2 and sum(VARLEN_MIX) == 16384 and len(VARLEN_MIX) == 16
+    cases = build_cases(preset_runs("varlen"), GPU_SHAPES, "bf16")
+    varlen = [c for c in cases if c.varlen]
+    assert [c.mode for c in varlen] == ["varlen"] * 2 + ["varlenbwd"] * 2
+    assert sum(VARLEN_MIX) == 16384 and len(VARLEN_MIX) == 16
     assert min(VARLEN_MIX) == 256 and max(VARLEN_MIX) == 4096
-    assert all(c.batch == 16 and c.seqlen_q == 4096 for c in varlen)
+    assert all(c.batch == 16 and c.seqlen_q == 4096 and c.seqlens == VARLEN_MIX for c in varlen)
+    # The dense baseline issue 4 compares varlen with, in the same run: S = 1k and 4k at the same width.
+    dense = [c for c in cases if not c.varlen]
+    assert {c.mode for c in dense} == {"fwd", "fwdbwd"} and len(dense) == 2 * 2 * 2
+    assert {(c.batch, c.seqlen_q, c.nheads, c.headdim) for c in dense} == {(16, 1024, 16, 128),
+                                                                         (4, 4096, 16, 128)}
+    assert {c.nheads * c.headdim for c in cases} == {2048} and {c.causal for c in cases} == {False, True}
 
 
 def test_bad_case_is_refused():
@@ -188,6 +200,21 @@ def test_cpu_timing_reports_ordered_quantiles():
 
 
 def test_cpu_presets_are_small():
-    cases = build_cases(["fwd", "fwdbwd", "decode", "varlen"], CPU_SHAPES, "fp16")
-    assert {c.mode for c in cases} == {"fwd", "fwdbwd", "decode", "varlen"}
+    cases = build_cases([*preset_runs("all"), *preset_runs("varlen")], CPU_SHAPES, "fp16")
+    assert {c.mode for c in cases} == {"fwd", "fwdbwd", "decode", "varlen", "varlenbwd"}
     assert max(c.seqlen_k for c in cases) <= 256 and max(c.nheads * c.batch for c in cases) <= 8
+
+
+def test_varlen_backward_feeds_each_backend_the_same_dout():
+    """Both backends' dq from their own layouts of one dout: the same gradient, so the same timed work."""
+    case = _cpu_case("varlenbwd", seqlens=(5, 19), batch=2, nheads=2, nheads_kv=2, causal=False)
+    inputs = make_inputs(case, CPU)
+    assert inputs.dout.shape == inputs.q.shape
+    grads = {}
+    for name in ("flashtile", "sdpa-math"):
+        prepared = BACKENDS[name].setup(case, inputs)
+        prepared.run()
+        q, k, v = prepared.leaves
+        assert k.grad is not None and v.grad is not None
+        grads[name] = q.grad.transpose(1, 2).values() if q.grad.is_nested else q.grad
+    torch.testing.assert_close(grads["flashtile"], grads["sdpa-math"], atol=1e-4, rtol=1e-4)

@@ -23,7 +23,7 @@ def test_presets_and_defaults():
     assert {c.mode for c in cases} == {"fwd", "fwdbwd"} and len(cases) == 72
     assert [b.name for b in backends][:2] == ["flashtile", "fa4"] and len(backends) == 8
     cases, backends = select([], gpu=False)
-    assert {c.mode for c in cases} == {"fwd", "fwdbwd", "decode", "varlen"}
+    assert {c.mode for c in cases} == {"fwd", "fwdbwd", "decode", "varlen", "varlenbwd"}
     assert {b.name for b in backends} == {"flashtile", "sdpa-math"} and {c.dtype for c in cases} == {"fp16"}
     assert {c.mode for c in select(["--preset", "decode"])[0]} == {"decode"}
 
@@ -34,6 +34,17 @@ def test_flags_replace_single_axes():
     cases, _ = select(["--preset", "decode", "--seqlen-k", "8192,65536", "--page-size", "0",
                        "--seqlen-q", "1"])
     assert [(c.batch, c.seqlen_k, c.page_size) for c in cases] == [(32, 8192, 0), (4, 65536, 0)]
+
+
+def test_varlen_preset_runs_its_dense_baseline_too():
+    cases, _ = select(["--preset", "varlen", "--no-causal"])
+    assert [(c.mode, c.seqlen_q) for c in cases] == [("varlen", 4096), ("fwd", 1024), ("fwd", 4096),
+                                                     ("varlenbwd", 4096), ("fwdbwd", 1024), ("fwdbwd", 4096)]
+    # --mode keeps the preset's shapes for the modes it has, and a mode's own sweep otherwise.
+    cases, _ = select(["--preset", "varlen", "--mode", "fwdbwd"])
+    assert {(c.mode, c.batch, c.seqlen_q) for c in cases} == {("fwdbwd", 16, 1024), ("fwdbwd", 4, 4096)}
+    cases, _ = select(["--mode", "varlenbwd", "--seqlens", "100,28", "--head-dim", "64"])
+    assert [(c.mode, c.seqlens, c.nheads) for c in cases] == [("varlenbwd", (100, 28), 32)] * 2
 
 
 def test_a_fully_specified_custom_case():
@@ -121,6 +132,22 @@ def test_tiny_cpu_run_writes_json_csv_and_png(tmp_path, capsys):
     assert cli.main(["bench", "--load", str(paths["json"]), str(paths["json"]), "--csv", str(merged)]) == 0
     with open(merged) as f:
         assert len(list(csv.DictReader(f))) == 4
+
+
+def test_tiny_cpu_varlen_preset_writes_json_and_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = {ext: tmp_path / f"varlen.{ext}" for ext in ("json", "png")}
+    argv = ["bench", "--preset", "varlen", "--seqlens", "9,24", "--seqlen", "16", "--heads", "1",
+            "--head-dim", "16", "--no-causal", "--refcheck", "--backends", "flashtile,sdpa-math",
+            "--json", str(paths["json"]), "--plot", str(paths["png"])]
+    assert cli.main(argv) == 0
+    rows = json.loads(paths["json"].read_text())["rows"]
+    assert [r["mode"] for r in rows[::2]] == ["varlen", "fwd", "varlenbwd", "fwdbwd"]  # one run, both kinds
+    assert all(r["status"] == "ok" and r["refcheck"] == "ok" for r in rows)
+    flops = 3.5 * 4 * 1 * 16 * (9 * 9 + 24 * 24)  # 3.5 × forward, each sequence its own pairs
+    for r in (r for r in rows if r["mode"] == "varlenbwd"):
+        assert r["seqlens"] == [9, 24] and r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12)
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_on_cpu(capsys):

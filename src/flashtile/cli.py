@@ -3,6 +3,7 @@
     flashtile demo                         # flashtile vs the fp64 reference, then timed
     flashtile bench                        # the standard sweep, every backend (GPU)
     flashtile bench --preset decode --refcheck --json out.json --plot out.png
+    flashtile bench --preset varlen --backends flashtile,flex   # varlen fwd, fwd+bwd beside dense S=1k, 4k
     flashtile bench --mode fwd,fwdbwd --batch 4 --seqlen 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal
     flashtile bench --list-backends
 
@@ -62,7 +63,7 @@ def _words(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flashtile.bench.cases import DTYPES, MODES, PRESET_MODES
+    from flashtile.bench.cases import DTYPES, MODES, PRESETS
 
     parser = argparse.ArgumentParser(prog="flashtile", description="flashtile: FlashAttention in Triton.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,15 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", help="benchmark flashtile against other attention backends",
-        description="Each preset runs its modes over the sweep in flashtile.bench.cases; the shape "
-                    "flags replace single axes of that sweep (comma lists allowed), so giving all of them "
+        description="Each preset runs its modes over the sweeps in flashtile.bench.cases; the shape "
+                    "flags replace single axes of every sweep (comma lists allowed), so giving all of them "
                     "defines a custom case.",
     )
-    bench.add_argument("--preset", choices=PRESET_MODES,
-                       help="standard: fwd + fwdbwd (default on a GPU); decode; varlen; "
-                            "all (default without a GPU)")
-    bench.add_argument("--mode", nargs="+", metavar="MODE", help=f"any of {', '.join(MODES)} (overrides the "
-                       "preset's modes; space- or comma-separated)")
+    bench.add_argument("--preset", choices=PRESETS,
+                       help="standard: fwd + fwdbwd (default on a GPU); decode; varlen: varlen + varlenbwd "
+                            "beside dense fwd + fwdbwd at S=1k, 4k; all (default without a GPU)")
+    bench.add_argument("--mode", nargs="+", metavar="MODE", help=f"any of {', '.join(MODES)}, run instead of "
+                       "the preset's modes, each over the preset's sweep for it if it has one (space- or "
+                       "comma-separated)")
     bench.add_argument("--backends", type=_words, help="comma-separated names (see --list-backends)")
     bench.add_argument("--list-backends", action="store_true", help="list the backends and exit")
     shape = bench.add_argument_group("shape axes (each replaces the preset's)")
@@ -129,24 +131,22 @@ def _shapes(args, gpu: bool):
     if args.causal is not None:
         overrides["causal"] = (args.causal,)
     base = GPU_SHAPES if gpu else CPU_SHAPES
-    return {kind: dataclasses.replace(s, **overrides) for kind, s in base.items()}
+    return {sweep: dataclasses.replace(s, **overrides) for sweep, s in base.items()}
 
 
 def select(parser, args, gpu: bool):
     """The cases and backends the bench arguments ask for (parser.error on bad names or shapes)."""
     from flashtile.bench.backends import BACKENDS
-    from flashtile.bench.cases import MODES, PRESET_MODES, build_cases
+    from flashtile.bench.cases import build_cases, preset_runs
 
-    preset = args.preset or ("standard" if gpu else "all")
-    modes = [m for word in args.mode for m in _words(word)] if args.mode else PRESET_MODES[preset]
-    if bad := [m for m in modes if m not in MODES]:
-        parser.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
     names = args.backends or [b.name for b in BACKENDS.values() if gpu or b.cpu]
     if bad := [n for n in names if n not in BACKENDS]:
         parser.error(f"unknown backend {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
+    preset = args.preset or ("standard" if gpu else "all")
+    modes = [m for word in args.mode for m in _words(word)] if args.mode else None
+    dtype = args.dtype or ("bf16" if gpu else "fp16")
     try:
-        cases = build_cases(modes, _shapes(args, gpu), args.dtype or ("bf16" if gpu else "fp16"), args.window,
-                            args.softcap)
+        cases = build_cases(preset_runs(preset, modes), _shapes(args, gpu), dtype, args.window, args.softcap)
     except ValueError as e:
         parser.error(str(e))
     return cases, [BACKENDS[n] for n in names]

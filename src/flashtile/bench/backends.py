@@ -6,12 +6,15 @@ KV cache, block masks, torch.compile. It returns the timed callable. A backend t
 `Unsupported` with the reason, which the report prints instead of a time; a backend that is not installed is
 unsupported, not an error.
 
-    backend         fwd/fwdbwd            decode                         varlen
+    backend         fwd/fwdbwd            decode                         varlen/varlenbwd
     flashtile       flash_attn_func       flash_attn_with_kvcache        flash_attn_varlen_func
     fa4             flash_attn.cute       dense or paged (page_table)    varlen func (cu_seqlens)
     fa2             flash_attn            with_kvcache, pages of 256·n   varlen func
     sdpa-*          forced SDPBackend     contiguous cache, enable_gqa   nested jagged tensors
     flex            compiled flex         contiguous cache               document block mask
+
+The backward modes (fwdbwd, varlenbwd) go through each backend's autograd from the same random dout; a backend
+whose backward raises NotImplementedError for the case is reported unsupported, like a missing feature.
 
 What this module does not do: time, check numerics, or rank backends (run.py, refcheck.py, report.py).
 """
@@ -42,7 +45,7 @@ class Unsupported(Exception):
 
 @dataclass
 class Prepared:
-    run: Callable[[], object]  # the timed region: the forward, or forward + backward in fwdbwd mode
+    run: Callable[[], object]  # the timed region: the forward, or forward + backward (fwdbwd, varlenbwd)
     output: Callable[[], torch.Tensor]  # forward output in flashtile's layout, for --refcheck (not timed)
     leaves: tuple[torch.Tensor, ...] = ()  # tensors whose .grad the timer clears between repetitions
 
@@ -58,11 +61,11 @@ class Backend:
 def _prepare(case, fwd, q, buffers, dout=None, to_flash=lambda o: o) -> Prepared:
     """The timed call for `fwd(q, *buffer) -> output in the backend's layout`.
 
-    fwdbwd runs forward then backward from leaves made here; backward frees the graph and the timer clears the
-    gradients, so no repetition inherits anything from the last. Other modes time the forward alone, rotating
-    through the buffers (there are several only in decode; see inputs.py).
+    fwdbwd and varlenbwd run forward then backward from leaves made here; backward frees the graph and the
+    timer clears the gradients, so no repetition inherits anything from the last. Other modes time the forward
+    alone, rotating through the buffers (there are several only in decode; see inputs.py).
     """
-    if case.mode == "fwdbwd":
+    if case.backward:
         ((k, v),) = buffers
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         return Prepared(lambda: fwd(q, k, v).backward(dout), lambda: to_flash(fwd(q, k, v)), (q, k, v))
@@ -99,10 +102,11 @@ def _flash_api(module: str, page_multiple: int = 1):
                 paged = lambda q, k, v, block_table: fn(q, k, v, block_table=block_table, **kw)
                 return _prepare(case, paged, inputs.q, _paged(case, inputs))
             return _prepare(case, lambda q, k, v: fn(q, k, v, **kw), inputs.q, inputs.kv)
-        if case.mode == "varlen":
+        if case.varlen:
             (fn,) = _api(module, "flash_attn_varlen_func")
             cu, n = inputs.cu_seqlens, case.seqlen_q
-            return _prepare(case, lambda q, k, v: fn(q, k, v, cu, cu, n, n, **kw), inputs.q, inputs.kv)
+            varlen = lambda q, k, v: fn(q, k, v, cu, cu, n, n, **kw)
+            return _prepare(case, varlen, inputs.q, inputs.kv, inputs.dout)
         (fn,) = _api(module, "flash_attn_func")
         return _prepare(case, lambda q, k, v: fn(q, k, v, **kw), inputs.q, inputs.kv, inputs.dout)
 
@@ -131,8 +135,8 @@ def _setup_fa4(case: Case, inputs: Inputs) -> Prepared:
         if case.page_size:
             return _prepare(case, paged, inputs.q, _paged(case, inputs))
         return _prepare(case, dense, inputs.q, inputs.kv)
-    if case.mode == "varlen":
-        return _prepare(case, varlen, inputs.q, inputs.kv)
+    if case.varlen:
+        return _prepare(case, varlen, inputs.q, inputs.kv, inputs.dout)
     return _prepare(case, dense, inputs.q, inputs.kv, inputs.dout)
 
 
@@ -172,7 +176,7 @@ def _sdpa(kernel_name: str):
             with sdpa_kernel(kernel):
                 return F.scaled_dot_product_attention(q, k, v, **kw)
 
-        if case.mode == "varlen":
+        if case.varlen:
             if case.nheads_kv != case.nheads:
                 raise Unsupported("SDPA on nested tensors has no GQA")
             # torch logs a paragraph per refused nested-tensor kernel on every call; the row already says why.
@@ -184,7 +188,8 @@ def _sdpa(kernel_name: str):
                 return torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
 
             kv = [(nested(inputs.k), nested(inputs.v))]
-            return _prepare(case, fwd, nested(inputs.q), kv, to_flash=lambda o: o.transpose(1, 2).values())
+            dout = None if inputs.dout is None else nested(inputs.dout)
+            return _prepare(case, fwd, nested(inputs.q), kv, dout, lambda o: o.transpose(1, 2).values())
         kw.update(_sdpa_causal(case))
         kv = [(_to_bhsd(k), _to_bhsd(v)) for k, v in inputs.kv]
         return _prepare(case, fwd, _to_bhsd(inputs.q), kv, _to_bhsd(inputs.dout), lambda o: o.transpose(1, 2))
@@ -215,7 +220,7 @@ def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
     right = 0 if case.causal else right
     offset = case.seqlen_k - case.seqlen_q  # bottom-right alignment
     keep = []
-    if case.mode == "varlen":  # the packed batch as one sequence, with attention kept inside each document
+    if case.varlen:  # the packed batch as one sequence, with attention kept inside each document
         offset = 0
         lengths = torch.tensor(case.seqlens, device=inputs.q.device)
         doc = torch.repeat_interleave(torch.arange(len(case.seqlens), device=inputs.q.device), lengths)
@@ -231,7 +236,7 @@ def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
     def score_mod(score, b, h, q_idx, kv_idx):
         return case.softcap * torch.tanh(score / case.softcap)
 
-    packed = case.mode == "varlen"
+    packed = case.varlen
 
     def layout(t):  # (B, S, H, D) → (B, H, S, D); varlen's (total, H, D) → (1, H, total, D)
         return (t.unsqueeze(0) if packed else t).transpose(1, 2).contiguous()

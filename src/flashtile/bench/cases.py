@@ -1,18 +1,21 @@
 """What `flashtile bench` measures: `Case`, one attention problem in one mode, and the presets' sweeps.
 
-A preset names the modes to run; the shapes come from a `Shapes` sweep per kind of problem (dense, decode,
-varlen), one case per point of the product of its axes. Axes left as None are derived the way the
-FlashAttention papers fix total work: batch = tokens // seqlen and heads = hidden // head dim. Command-line
-flags replace individual axes, so `--preset standard --head-dim 128` is the standard sweep at one head dim,
-and a fully specified custom case is just every axis set to one value.
+A preset is a list of runs, each a mode and the sweep its shapes come from: a `Shapes`, one case per point of
+the product of its axes. Axes left as None are derived the way the FlashAttention papers fix total work:
+batch = tokens // seqlen and heads = hidden // head dim. Command-line flags replace individual axes in every
+sweep, so `--preset standard --head-dim 128` is the standard sweep at one head dim, and a fully specified
+custom case is just every axis set to one value.
 
 The GPU sweeps:
 - dense (modes fwd, fwdbwd): the papers' sweep. B·S = 16k tokens, hidden 2048, head dims 64/128/256,
   S = 512…16k, causal and not.
 - decode: GQA 32 query / 8 KV heads, d128, one or four query tokens against KV caches of 4k…128k tokens with
   batch × length = 256k tokens (64 × 4k … 2 × 128k), contiguous and paged (16, 64, 256 tokens a page).
-- varlen (forward): 16 sequences of 256…4096 tokens, 16k in total, d128, hidden 2048.
-Without a GPU the same kinds run at toy sizes through the Triton interpreter.
+- varlen (modes varlen, varlenbwd): 16 sequences of 256…4096 tokens, 16k in total, d128, hidden 2048.
+- varlen-baseline (modes fwd, fwdbwd, in the varlen preset): dense, d128, hidden 2048, 16k tokens, S = 1k and
+  4k. Issue 4's target is varlen's TFLOP/s as a fraction of dense's at the mix's lengths, so the varlen preset
+  times both in the same run: one commit, one machine state, no ratio across runs.
+Without a GPU the same sweeps run at toy sizes through the Triton interpreter.
 
 What this module does not do: allocate tensors (inputs.py) or count FLOPs (metrics.py).
 """
@@ -25,13 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("fwd", "fwdbwd", "decode", "varlen")
+# Each mode's own sweep: where its shapes come from when a preset does not say otherwise.
+MODE_SWEEPS = {
+    "fwd": "dense", "fwdbwd": "dense", "decode": "decode", "varlen": "varlen", "varlenbwd": "varlen",
+}
+MODES = tuple(MODE_SWEEPS)
+VARLEN_MODES = ("varlen", "varlenbwd")  # a packed ragged batch (flash_attn_varlen_func)
+BACKWARD_MODES = ("fwdbwd", "varlenbwd")  # the timed region is forward + backward
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PRESET_MODES = {
-    "standard": ("fwd", "fwdbwd"),
-    "decode": ("decode",),
-    "varlen": ("varlen",),
-    "all": MODES,
+# Each preset's runs, (mode, sweep), in the order the report lists them.
+PRESETS = {
+    "standard": (("fwd", "dense"), ("fwdbwd", "dense")),
+    "decode": (("decode", "decode"),),
+    "varlen": (("varlen", "varlen"), ("fwd", "varlen-baseline"), ("varlenbwd", "varlen"),
+               ("fwdbwd", "varlen-baseline")),
+    "all": tuple(MODE_SWEEPS.items()),
 }
 
 # A fixed mix, so runs compare: lengths off the tile grid, long and short interleaved (as a packed batch is).
@@ -42,7 +53,7 @@ VARLEN_MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1
 class Case:
     """One attention problem in one mode. Layout (B, S, H, D); varlen packs its `seqlens` (q and k equal)."""
 
-    mode: str  # one of MODES; varlen and decode time the forward only
+    mode: str  # one of MODES; fwdbwd and varlenbwd time forward + backward, the others the forward only
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -64,8 +75,16 @@ class Case:
         if self.nheads % self.nheads_kv:
             raise ValueError(f"{self.nheads} query heads are not a multiple of {self.nheads_kv} KV heads")
 
+    @property
+    def varlen(self) -> bool:
+        return self.mode in VARLEN_MODES
+
+    @property
+    def backward(self) -> bool:
+        return self.mode in BACKWARD_MODES
+
     def label(self) -> str:
-        if self.mode == "varlen":
+        if self.varlen:
             n = self.seqlens
             shape = f"{len(n)} seqs {min(n)}-{max(n)} ({sum(n)} tok)"
         elif self.mode == "decode":
@@ -117,6 +136,7 @@ GPU_SHAPES = {
         heads=(32,), kv_heads=(8,), causal=(True,), page_size=(0, 16, 64, 256),
     ),
     "varlen": Shapes(head_dim=(128,), seqlens=VARLEN_MIX),
+    "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 4096)),
 }
 # Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU.
 CPU_SHAPES = {
@@ -126,20 +146,34 @@ CPU_SHAPES = {
         page_size=(0, 16),
     ),
     "varlen": Shapes(head_dim=(64,), seqlens=(64, 17, 113), heads=(2,)),
+    "varlen-baseline": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,)),
 }
 
 
-def kind(mode: str) -> str:
-    return mode if mode in ("decode", "varlen") else "dense"
+def preset_runs(preset: str, modes=None) -> list[tuple[str, str]]:
+    """The (mode, sweep) runs of `preset`, or of `modes` in its place.
+
+    A mode the preset runs keeps the preset's sweep (`--preset varlen --mode fwd` is the varlen baseline, not
+    the papers' sweep); any other runs over its own, MODE_SWEEPS.
+    """
+    runs = PRESETS[preset]
+    if modes is None:
+        return list(runs)
+    if bad := [m for m in modes if m not in MODES]:
+        raise ValueError(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
+    sweeps = dict(runs)
+    return [(m, sweeps.get(m, MODE_SWEEPS[m])) for m in modes]
 
 
-def build_cases(modes, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1),
+def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1),
                 softcap=0.0) -> list[Case]:
-    """Every case of `modes`, in sweep order: mode, head dim, causal, (query length, page size), the rest."""
+    """Every case of `runs`, (mode, sweep) pairs, in order: run, head dim, causal, (query length, page size),
+    the rest.
+    """
     cases = []
-    for mode in modes:
-        s = shapes[kind(mode)]
-        seqlens = s.seqlens if mode == "varlen" else ()
+    for mode, sweep in runs:
+        s = shapes[sweep]
+        seqlens = s.seqlens if mode in VARLEN_MODES else ()
         seqlen_q = (max(seqlens),) if seqlens else s.seqlen_q
         pages = s.page_size if mode == "decode" else (0,)
         axes = itertools.product(

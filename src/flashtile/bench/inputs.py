@@ -30,7 +30,7 @@ DEFAULT_L2_BYTES = 60 * 2**20  # the H100/H200 L2, for devices that do not repor
 class Inputs:
     q: torch.Tensor  # (B, Sq, H, D); varlen: (total, H, D)
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # (k, v): (B, Sk, Hk, D) or (total, Hk, D); decode: copies
-    dout: torch.Tensor | None = None  # like q; fwdbwd only
+    dout: torch.Tensor | None = None  # like q; fwdbwd and varlenbwd only
     cu_seqlens: torch.Tensor | None = None  # varlen: (n + 1,) int32, for q and k alike
     cache_seqlens: torch.Tensor | None = None  # decode: (B,) int32
 
@@ -59,15 +59,17 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
     h, hk, d = case.nheads, case.nheads_kv, case.headdim
-    if case.mode == "varlen":
+    if case.varlen:
         total = sum(case.seqlens)
         offsets = [0, *torch.tensor(case.seqlens).cumsum(0).tolist()]
         cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-        return Inputs(randn(total, h, d), [(randn(total, hk, d), randn(total, hk, d))], cu_seqlens=cu)
+        q = randn(total, h, d)
+        kv = [(randn(total, hk, d), randn(total, hk, d))]
+        return Inputs(q, kv, randn(*q.shape) if case.backward else None, cu_seqlens=cu)
     q = randn(case.batch, case.seqlen_q, h, d)
     kv_shape = (case.batch, case.seqlen_k, hk, d)
     kv = [(randn(*kv_shape), randn(*kv_shape)) for _ in range(kv_copies(case, device))]
-    dout = randn(*q.shape) if case.mode == "fwdbwd" else None
+    dout = randn(*q.shape) if case.backward else None
     cache_seqlens = None
     if case.mode == "decode":
         cache_seqlens = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device=device)

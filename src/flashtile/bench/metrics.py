@@ -4,9 +4,10 @@ Forward FLOPs are 4·D per visible (query, key) pair and query head: QKᵀ and P
 multiply-add, so an unmasked problem is 4·B·H·Sq·Sk·D. Masked pairs are not counted. Causal and sliding-window
 problems count exactly the pairs their mask keeps, bottom-right aligned as in flash-attn (query i sees key j
 iff i + Sk − Sq − left ≤ j ≤ i + Sk − Sq + right); for a square causal problem that is S(S+1)/2 pairs, 1/S
-more than the papers' S²/2 (0.2% at S = 512). Backward is 2.5× forward (five matmuls against forward's two),
-so forward+backward is 3.5×. Softmax, masking and softcap work is not counted, by the same convention. GQA
-does not change the count: every query head does its own matmuls.
+more than the papers' S²/2 (0.2% at S = 512). A varlen batch counts each sequence's own pairs: no work is done
+across sequences, so none is counted. Backward is 2.5× forward (five matmuls against forward's two), so
+forward+backward (fwdbwd, varlenbwd) is 3.5×. Softmax, masking and softcap work is not counted, by the same
+convention. GQA does not change the count: every query head does its own matmuls.
 
 Decode is bound by memory, so it is measured in bytes: the K and V a kernel must read, Σ_b seqlen_k · Hk · D ·
 2 tensors · element size. Q, the output and page tables are small next to them and not counted.
@@ -44,8 +45,8 @@ def forward_flops(case: Case) -> int:
 
 
 def timed_flops(case: Case) -> float:
-    """FLOPs of the timed region: the forward, plus the backward in fwdbwd mode."""
-    return forward_flops(case) * (1 + BWD_FLOPS_FACTOR if case.mode == "fwdbwd" else 1)
+    """FLOPs of the timed region: the forward, plus the backward in fwdbwd and varlenbwd modes."""
+    return forward_flops(case) * (1 + BWD_FLOPS_FACTOR if case.backward else 1)
 
 
 def kv_bytes(case: Case) -> int:

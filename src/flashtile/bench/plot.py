@@ -10,9 +10,11 @@ matplotlib is an optional dependency (the `bench` extra) and is imported only he
 
 from __future__ import annotations
 
+from flashtile.bench.cases import VARLEN_MODES
 from flashtile.bench.report import headline, make_parent
 
-MODE_TITLES = {"fwd": "Forward", "fwdbwd": "Forward + backward", "varlen": "Varlen forward"}
+MODE_TITLES = {"fwd": "Forward", "fwdbwd": "Forward + backward", "varlen": "Varlen forward",
+               "varlenbwd": "Varlen forward + backward"}
 
 
 def _short(n: int) -> str:
@@ -37,14 +39,14 @@ def _panel(r: dict) -> tuple[tuple, int, str, str]:
         return ("decode", r["seqlen_q"], r["headdim"], *extras), r["page_size"], title, "batch × KV length"
     mask = "causal" if r["causal"] else "not causal"
     title = f"{MODE_TITLES[r['mode']]}, head dim {r['headdim']}, {mask}, {', '.join(extras)}"
-    xlabel = "sequences" if r["mode"] == "varlen" else "sequence length"
+    xlabel = "sequences" if r["mode"] in VARLEN_MODES else "sequence length"
     return (r["mode"], r["causal"], *extras), r["headdim"], title, xlabel
 
 
 def _group(r: dict) -> str:
     if r["mode"] == "decode":
         return f"{r['batch']}×{_short(r['seqlen_k'])}"
-    if r["mode"] == "varlen":
+    if r["mode"] in VARLEN_MODES:
         return f"{r['batch']} seqs, {_short(sum(r['seqlens']))} tok"
     sk = f"/{_short(r['seqlen_k'])}" if r["seqlen_k"] != r["seqlen_q"] else ""
     return _short(r["seqlen_q"]) + sk
