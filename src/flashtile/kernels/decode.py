@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from .kvcache import cache_coords, rotary_load
-from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
+from .masking import LOG2E, apply_mask, kv_block_range, logits
+from .softmax import finalize, online_softmax_step
 
 
 @triton.jit
@@ -79,19 +80,12 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         s2, _ = logits(s, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        if MASKED:
-            # Note [fully masked rows] in fwd.py.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax_step(s2, 1.0, m_i, l_i, MASKED)
         v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d, row_ok, d,
                      MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -194,11 +188,8 @@ def _decode_kernel(
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
-    # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state
-    # (o = 0, lse = +inf, flash-attn's convention for rows without keys, which combine.merge_states reads as empty).
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
+    # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state.
+    out, lse = finalize(acc, l_i, m_i)
     o_ptrs = O + split * stride_os + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + d
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=q_mask)
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok)

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from .kvcache import cache_coords
-from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
+from .masking import LOG2E, apply_mask, kv_block_range, logits
 from .seqlen import row_desc, seq_info, tile_coords
+from .softmax import finalize, online_softmax_step
 
 
 @triton.jit
@@ -86,19 +87,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
             scale = qk_scale
         if MASKED:
             s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-        if MASKED:
-            # Note [fully masked rows]: a row that has seen only masked keys has max -inf; exp2(-inf - -inf) would
-            # be NaN. Any finite reference max is exact (it cancels in the final division), so use 0.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
         v = _load_kv(v_src, start_n, page, off, stride_vb, stride_vn, row_ok, d, PAGED, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -178,10 +171,6 @@ def _attn_fwd_kernel(
                                BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
-    # Rows that saw no key at all (l_i == 0) output 0 and get lse = +inf, flash-attn's convention, which makes the
-    # backward's recomputed probabilities exp(s - lse) exactly 0 for them.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    o_desc.store([m_start, 0], (acc / l_safe[:, None]).to(O.dtype.element_ty))
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out, lse = finalize(acc, l_i, m_i)
+    o_desc.store([m_start, 0], out.to(O.dtype.element_ty))
     tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
