@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one command (the lent H200 gives little device time): the GPU test tier, then
-# decode and varlen (with its dense baseline) benchmarks, peak memory, and a short tile sweep. Every log and JSON goes to $OUT.
+# decode and varlen (with its dense baseline) benchmarks, peak memory, and a short tile sweep. Every log and JSON
+# goes to $OUT.
 # Usage on the GPU machine, from the repo root: bash tools/h200_session.sh [git-sha]
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
