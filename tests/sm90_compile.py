@@ -1,13 +1,18 @@
 """Compile flashtile's prefill kernels for sm_90 on a machine without a GPU, and report shared memory.
 
-Run as a script (it must not see TRITON_INTERPRET): `python tests/sm90_compile.py [--all-flags]`. Prints one JSON
-line per compiled kernel: kernel, head dim, config, flags, shared bytes, and whether the PTX uses wgmma and TMA.
-tests/test_compile.py runs it in a subprocess; it is also handy for reading PTX without spending GPU time.
+Run as a script (it must not see TRITON_INTERPRET): `python tests/sm90_compile.py [--all-flags] [--ptxas]`.
+Prints one JSON line per compiled kernel: kernel, head dim, config, flags, shared bytes, and whether the PTX uses
+wgmma and TMA; with --ptxas also the registers and spill bytes that the ptxas bundled with Triton reports for
+sm_90a. tests/test_compile.py runs it in a subprocess; it is also how to read PTX and register pressure without
+spending GPU time.
 """
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 assert not os.environ.get("TRITON_INTERPRET"), "sm90_compile.py must run without TRITON_INTERPRET"
 
@@ -66,6 +71,20 @@ FLAG_SETS = {
 }
 
 
+def ptxas_report(ptx: str) -> dict:
+    """Registers and spill bytes of one kernel, from `ptxas -v` (the copy inside Triton's wheel)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_stores": int(re.search(r"(\d+) bytes spill stores", log).group(1))}
+
+
 def main(argv):
     flag_sets = FLAG_SETS if "--all-flags" in argv else {"dense": FLAG_SETS["dense"]}
     for kernel, d, cfg in production_configs():
@@ -77,9 +96,12 @@ def main(argv):
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
             c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages)
             ptx = c.asm["ptx"]
-            print(json.dumps({"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
-                              cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
-                              "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}), flush=True)
+            row = {"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
+                   cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
+                   "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+            if "--ptxas" in argv:
+                row |= ptxas_report(ptx)
+            print(json.dumps(row), flush=True)
     c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128), 4, 1)
     print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
     c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False), 4, 1)
