@@ -104,7 +104,8 @@ def main(argv):
             print(json.dumps(row), flush=True)
     c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128), 4, 1)
     print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
-    c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False), 4, 1)
+    c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
+                                              COST_PACKED=True), 4, 1)
     print(json.dumps({"kernel": "schedule", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
 
 

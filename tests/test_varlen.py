@@ -207,14 +207,18 @@ def test_schedule_is_longest_first(device):
     lengths = [3, 9, 0, 9, 4, 1, 7]
     tiled = [5, 6, 7, 8, 9, 10, 11]
     cu, cu_tiled = cu_seqlens(lengths, device), cu_seqlens(tiled, device)
-    order, rows = schedule(cu_tiled, None, cu, None).tolist()
+    order, rows = schedule(cu_tiled, None, sum(tiled), cu, None, sum(lengths)).tolist()
     assert order == [1, 3, 6, 4, 0, 5, 2] and rows == [tiled[b] for b in order]
-    used = torch.tensor([5, 0, 0, 2, 4, 1, 7], dtype=torch.int32, device=device)
-    order, rows = schedule(cu_tiled, used, cu, used).tolist()
-    assert order == [6, 0, 4, 3, 5, 1, 2] and rows == [used[b] for b in order]
+    used = torch.tensor([3, 0, 0, 2, 4, 1, 7], dtype=torch.int32, device=device)
+    order, rows = schedule(cu_tiled, used, sum(tiled), cu, used, sum(lengths)).tolist()
+    assert order == [6, 4, 0, 3, 5, 1, 2] and rows == [used[b] for b in order]
+    # Lengths are clamped as the kernels clamp them: seqused past a sequence's end counts as its length.
+    order, rows = schedule(cu_tiled, used + 100, sum(tiled), cu, None, sum(lengths)).tolist()
+    assert rows == [tiled[b] for b in order]
     # More sequences than one sort: each chunk of MAX_SORT is sorted on its own, and every sequence is listed.
     lengths = torch.randint(0, 50, (2 * MAX_SORT + 300,), generator=torch.Generator().manual_seed(0)).tolist()
-    order = schedule(cu_seqlens(lengths, device), None, cu_seqlens(lengths, device), None)[0].tolist()
+    cu = cu_seqlens(lengths, device)
+    order = schedule(cu, None, sum(lengths), cu, None, sum(lengths))[0].tolist()
     assert sorted(order) == list(range(len(lengths)))
     for start in range(0, len(lengths), MAX_SORT):
         chunk = order[start:start + MAX_SORT]
@@ -239,7 +243,7 @@ def test_tile_list(device, many, last_first):
     lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
     lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
     cu = cu_seqlens(lengths.tolist(), device)
-    sched = schedule(cu, None, cu, None)
+    sched = schedule(cu, None, int(lengths.sum()), cu, None, int(lengths.sum()))
     programs = tile_grid(block, 0, int(lengths.sum()), batch, 1, True)[0]
     out = torch.full((programs, 2), -1, dtype=torch.int32, device=device)
     _tile_coords_probe[(programs,)](sched, out, batch, BLOCK=block, LAST_FIRST=last_first)
@@ -630,3 +634,22 @@ def test_gpu_no_host_sync_by_default(device, monkeypatch):
     monkeypatch.setenv("FLASHTILE_CHECK", "1")
     with pytest.raises(ValueError, match="max_seqlen_q = 200 is smaller"):
         flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 200, 300)
+
+
+def test_bad_device_side_lengths_stay_inside_the_tensors(device):
+    """Without FLASHTILE_CHECK nothing validates cu_seqlens/seqused values on a GPU (that would be a host sync), so
+    the kernels clamp them to the packed totals. Called below the API (which checks CPU tensors), with inputs in
+    NaN-filled buffers: a read past the tensors would put NaN into the output."""
+    from flashtile.ops.fwd import attention_fwd
+    g = torch.Generator().manual_seed(11)
+    q = nan_guarded((24, 2, 32), torch.float16, device, g)
+    k = nan_guarded((20, 2, 32), torch.float16, device, g)
+    v = nan_guarded((20, 2, 32), torch.float16, device, g)
+    cu_q = torch.tensor([0, 10, 1000], dtype=torch.int32, device=device)  # past total_q = 24
+    cu_k = torch.tensor([0, 7, 5000], dtype=torch.int32, device=device)  # past total_k = 20
+    seqused_k = torch.tensor([100, 9], dtype=torch.int32, device=device)  # longer than sequence 0
+    out, lse = attention_fwd(q, k, v, cu_q, cu_k, None, seqused_k, None, None, 24, 20, 0.2, -1, -1, 0.0, 0)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    # Sequence 0 is well formed except for seqused_k, which is clamped to its 7 keys.
+    ref, _ = attention_ref(q[None, :10].double(), k[None, :7].double(), v[None, :7].double(), softmax_scale=0.2)
+    torch.testing.assert_close(out[:10].double(), ref[0], atol=2e-3, rtol=0)

@@ -45,28 +45,37 @@ def row_desc(base, length, stride_m, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def seq_info(b, seqlen, cu_seqlens, seqused, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr):
-    """Returns (first row of sequence b in the packed tensor, its length)."""
+def seq_info(b, bound, cu_seqlens, seqused, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+             PACKED: tl.constexpr = True):
+    """Returns (first row of sequence b in the packed tensor, its length): (0, bound) for a dense batch, where
+    bound is the sequence length; `seq_lengths` for a varlen one."""
     if IS_VARLEN:
-        start = tl.load(cu_seqlens + b).to(tl.int64)
-        length = (tl.load(cu_seqlens + b + 1) - tl.load(cu_seqlens + b)).to(tl.int32)
-    else:
-        start = tl.zeros((), dtype=tl.int64)
-        length = seqlen
-    if HAS_SEQUSED:
-        length = tl.load(seqused + b).to(tl.int32)
-    return start, length
+        start, length = seq_lengths(b, b >= 0, cu_seqlens, seqused, bound, HAS_SEQUSED, PACKED)
+        return start.to(tl.int64), length
+    return tl.zeros((), dtype=tl.int64), bound
 
 
 @triton.jit
-def seq_lengths(b, ok, cu_seqlens, seqused, HAS_SEQUSED: tl.constexpr):
-    """Lengths of sequences b (a vector; entries with ok false read nothing and are 0)."""
-    if HAS_SEQUSED:
-        length = tl.load(seqused + b, mask=ok, other=0)
+def seq_lengths(b, ok, cu_seqlens, seqused, bound, HAS_SEQUSED: tl.constexpr, PACKED: tl.constexpr = True):
+    """(start, length) of varlen sequences b (scalar or vector; entries with ok false read nothing, give (0, 0)).
+
+    Sequence b is rows cu_seqlens[b] : cu_seqlens[b + 1], shortened to seqused[b] if given. `bound` is the packed
+    total (PACKED) or, for keys in a paged cache (not PACKED: rows are found through the block table and the start
+    is unused), a sequence's capacity. These values come from device memory and are validated only under
+    FLASHTILE_CHECK=1 (a host sync), so they are clamped into [0, bound] here: a bad cu_seqlens or seqused can
+    give a wrong answer for its own sequence, never an access outside the tensors. The tile list and the kernels
+    both read lengths through this function, so they always agree.
+    """
+    lo = tl.load(cu_seqlens + b, mask=ok, other=0)
+    hi = tl.load(cu_seqlens + b + 1, mask=ok, other=0)
+    if PACKED:
+        lo = tl.minimum(tl.maximum(lo, 0), bound)
+        length = tl.minimum(tl.maximum(hi, lo), bound) - lo
     else:
-        length = tl.load(cu_seqlens + b + 1, mask=ok, other=0) - tl.load(cu_seqlens + b, mask=ok, other=0)
-    # Clamped so that a malformed (decreasing) cu_seqlens cannot make a negative tile count.
-    return tl.maximum(length, 0)
+        length = tl.minimum(tl.maximum(hi - lo, 0), bound)
+    if HAS_SEQUSED:
+        length = tl.minimum(tl.maximum(tl.load(seqused + b, mask=ok, other=0), 0), length)
+    return lo, length
 
 
 @triton.jit
@@ -107,18 +116,20 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
 
 
 @triton.jit
-def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, batch,
-                     BLOCK_B: tl.constexpr, HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr):
+def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, batch, bound_tiled, bound_cost,
+                     BLOCK_B: tl.constexpr, HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr,
+                     COST_PACKED: tl.constexpr):
     """SCHEDULE[0, chunk] = this program's chunk of BLOCK_B sequences by decreasing cost length (ties keep batch
     order); SCHEDULE[1, chunk] = their tiled lengths. Notes [varlen tile list] and [longest sequences first]."""
     i = tl.arange(0, BLOCK_B)
     first = tl.program_id(0) * BLOCK_B
     ok = first + i < batch
-    cost = seq_lengths(first + i, ok, CU_COST, SEQUSED_COST, HAS_SEQUSED_COST)
+    _, cost = seq_lengths(first + i, ok, CU_COST, SEQUSED_COST, bound_cost, HAS_SEQUSED_COST, COST_PACKED)
     # One sortable key per sequence: the cost, then the reversed position so that equal costs keep their order in
     # a descending sort; padding sorts last.
     key = tl.where(ok, cost.to(tl.int64) * BLOCK_B + (BLOCK_B - 1 - i), -1)
     key = tl.sort(key, descending=True)
     b = first + (BLOCK_B - 1 - key % BLOCK_B).to(tl.int32)
     tl.store(SCHEDULE + first + i, b, mask=ok)
-    tl.store(SCHEDULE + batch + first + i, seq_lengths(b, ok, CU_TILED, SEQUSED_TILED, HAS_SEQUSED_TILED), mask=ok)
+    _, tiled = seq_lengths(b, ok, CU_TILED, SEQUSED_TILED, bound_tiled, HAS_SEQUSED_TILED)
+    tl.store(SCHEDULE + batch + first + i, tiled, mask=ok)

@@ -62,10 +62,11 @@ def attention_bwd(
     dout = tma_ready(dout)
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     if varlen:
-        # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths.
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        order_dkdv = schedule(cu_seqlens_k, seqused_k, cu_seqlens_q, seqused_q)
-        order_dq = schedule(cu_seqlens_q, seqused_q, cu_seqlens_k, seqused_k)
+        # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
+        # packed totals passed as their seqlen arguments.
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
+        order_dkdv = schedule(cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q)
+        order_dq = schedule(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order_dkdv = order_dq = None

@@ -45,17 +45,20 @@ def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def schedule(cu_tiled: torch.Tensor, seqused_tiled, cu_cost: torch.Tensor, seqused_cost) -> torch.Tensor:
+def schedule(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost: torch.Tensor, seqused_cost,
+             bound_cost: int, cost_packed: bool = True) -> torch.Tensor:
     """(2, B) int32 on the device: the sequences in launch order, longest `cost` side first, and the lengths of their
-    `tiled` side (the axis the grid tiles). One small launch, no host synchronisation. Notes [varlen tile list]
-    and [longest sequences first] in kernels/seqlen.py."""
+    `tiled` side (the axis the grid tiles), both clamped to their bounds as the kernels clamp them (seqlen.py:
+    seq_lengths). One small launch, no host synchronisation. Notes [varlen tile list] and [longest sequences
+    first] in kernels/seqlen.py."""
     batch = cu_tiled.shape[0] - 1
     out = torch.empty((2, batch), dtype=torch.int32, device=cu_tiled.device)
     if batch > 0:
         block = min(MAX_SORT, triton.next_power_of_2(batch))
         _schedule_kernel[(triton.cdiv(batch, block),)](
-            cu_tiled, seqused_tiled, cu_cost, seqused_cost, out, batch, BLOCK_B=block,
-            HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None)
+            cu_tiled, seqused_tiled, cu_cost, seqused_cost, out, batch, bound_tiled, bound_cost, BLOCK_B=block,
+            HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
+            COST_PACKED=cost_packed)
     return out
 
 

@@ -66,9 +66,11 @@ def attention_fwd(
         return out, lse
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     if varlen:
-        # The kernel reads each sequence's lengths; max_seqlen_q/k size nothing (Note [varlen tile list]).
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        order = schedule(cu_seqlens_q, seqused_q, cu_seqlens_k, seqused_k)
+        # The kernel reads each sequence's lengths; max_seqlen_q/k size nothing (Note [varlen tile list]). Its
+        # seqlen arguments carry the bounds that those lengths are clamped to (kernels/seqlen.py: seq_info).
+        batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
+        seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
+        order = schedule(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, not paged)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order = None
