@@ -161,8 +161,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Checks: shapes, dtypes and devices always. The values of cu_seqlens, seqused and block_table (start at 0,
     non-decreasing, end at the total, max_seqlen large enough, pages in range) only when FLASHTILE_CHECK=1 or the
     tensors are on the CPU, and not under torch.compile tracing: on a GPU reading them is a synchronising copy
-    that would also break CUDA-graph capture. By default the kernels trust them, as flash-attn's do: a cu_seqlens
-    entry past the total or a page index out of range is then an out-of-bounds access.
+    that would also break CUDA-graph capture. Without the checks the kernels clamp cu_seqlens and seqused into
+    the packed totals, so a bad value gives a wrong result for its own sequence but never reads or writes outside
+    q, k, v; block_table entries are trusted, as in flash-attn: an out-of-range page index is an out-of-bounds
+    access unless FLASHTILE_CHECK=1 catches it.
     Return:
         out: (total_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32, natural log of the row sums of
