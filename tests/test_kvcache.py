@@ -631,3 +631,26 @@ def test_out_of_range_cache_seqlens_never_touch_foreign_memory(device):
     assert torch.isfinite(out).all()
     for buf, old in zip((buf_k, buf_v), before):
         assert torch.equal(buf.nan_to_num(7.0), old.nan_to_num(7.0)), "a row outside a sequence's cache was written"
+
+
+def test_out_of_range_block_table_stays_inside_the_cache(device):
+    """Without FLASHTILE_CHECK block-table entries are not validated on the host; the kernels clamp page indices
+    into the cache, so a bad entry can only read a wrong page of this cache (NaN guard pages around the cache stay
+    unread and unwritten)."""
+    g = torch.Generator().manual_seed(6)
+    buf_k = torch.full((3, 4, 16, 2, 32), float("nan"), dtype=torch.float16, device=device)
+    buf_v = buf_k.clone()
+    k_cache, v_cache = buf_k[1], buf_v[1]  # 4 pages of 16 rows
+    k_cache.copy_(torch.randn(4, 16, 2, 32, generator=g).half())
+    v_cache.copy_(torch.randn(4, 16, 2, 32, generator=g).half())
+    before = buf_k.clone(), buf_v.clone()
+    q = torch.randn(2, 1, 4, 32, generator=g).half().to(device)
+    k_new, v_new = (torch.randn(2, 1, 2, 32, generator=g).half().to(device) for _ in range(2))
+    block_table = torch.tensor([[0, 1], [-5, 99]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([20, 20], dtype=torch.int32, device=device)
+    out = kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                          block_table=block_table)
+    assert torch.isfinite(out).all()
+    for buf, old in zip((buf_k, buf_v), before):
+        assert torch.equal(buf[0].nan_to_num(7.0), old[0].nan_to_num(7.0))
+        assert torch.equal(buf[2].nan_to_num(7.0), old[2].nan_to_num(7.0))

@@ -58,7 +58,7 @@ def _load_kv(ptrs, row_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOC
 @triton.jit
 def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo, hi,
                   r_lo, r_hi, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb, page_size,
+                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                   PAGED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
@@ -68,9 +68,9 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         r = start + offs_n
         row_ok = (r >= r_lo) & (r < r_hi)  # the sequence's own rows; only MASKED blocks use (and compute) it
         if MASKED:
-            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, row_ok, PAGED)
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, row_ok, PAGED)
         else:
-            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, None, PAGED)
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
         k = _load_kv(K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d, row_ok, d,
                      MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
@@ -98,7 +98,7 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_btb, stride_ab, stride_cos,
-    seqlen_q, seqlen_new, page_size, capacity, rotary_dim, num_splits, num_m_tiles,
+    seqlen_q, seqlen_new, page_size, num_pages, capacity, rotary_dim, num_splits, num_m_tiles,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -171,20 +171,20 @@ def _decode_kernel(
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
-                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size,
+                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                                  stride_btb, page_size,
+                                  stride_btb, page_size, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
-                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size,
+                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 

@@ -79,7 +79,7 @@ def attention_fwd(
                          seqused_q is not None, seqused_k is not None, q.dtype)
     # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page ones.
     kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
-    stride_btb, page_size = (block_table.stride(0), k.shape[1]) if paged else (0, 1)
+    stride_btb, page_size, num_pages = (block_table.stride(0), k.shape[1], k.shape[0]) if paged else (0, 1, batch)
     prepare_launch(q)
     launch(
         _attn_fwd_kernel, "fwd", head_dim,
@@ -87,7 +87,7 @@ def attention_fwd(
         q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
         *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
         *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
-        seqlen_q, seqlen_k, batch, page_size, qk_scale, softcap2, window_left, window_right,
+        seqlen_q, seqlen_k, batch, page_size, num_pages, qk_scale, softcap2, window_left, window_right,
         GROUP=nheads // nheads_kv, PAGED=paged, **head_dims(head_dim), **flags,
     )
     return out, lse
