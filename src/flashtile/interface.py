@@ -162,9 +162,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     non-decreasing, end at the total, max_seqlen large enough, pages in range) only when FLASHTILE_CHECK=1 or the
     tensors are on the CPU, and not under torch.compile tracing: on a GPU reading them is a synchronising copy
     that would also break CUDA-graph capture. Without the checks the kernels clamp cu_seqlens and seqused into
-    the packed totals, so a bad value gives a wrong result for its own sequence but never reads or writes outside
-    q, k, v; block_table entries are trusted, as in flash-attn: an out-of-range page index is an out-of-bounds
-    access unless FLASHTILE_CHECK=1 catches it.
+    the packed totals and block_table entries into the cache, so a bad value gives a wrong result for its own
+    sequence but never reads or writes outside q, k, v or the cache.
     Return:
         out: (total_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32, natural log of the row sums of
