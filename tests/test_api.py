@@ -178,3 +178,15 @@ def test_opcheck(device):
     args = (q, k, v, None, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0)
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                             "test_autograd_registration"))
+
+
+def test_autotune_flag_under_the_interpreter(device, monkeypatch):
+    """FLASHTILE_AUTOTUNE=1 tunes only on a GPU; under the interpreter the table's tiles run, with the same result."""
+    from flashtile import env
+    if not env.INTERPRET:
+        pytest.skip("on a GPU this tunes for real; tests/test_gpu.py::test_autotune_path covers it")
+    q, k, v = qkv(device, sq=20, sk=20)
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    assert env.autotune()
+    assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=True), expected)
