@@ -1,13 +1,15 @@
-"""Autograd for the attention custom ops: what the forward saves and how the backward op is called.
+"""Autograd for the attention custom ops: what the forward saves and how the backward is called.
 
-Registered with `torch.library.register_autograd`, so `torch.compile(fullgraph=True)` traces forward and
-backward without a graph break. No kernel code and no argument checking here.
+Two routes share one forward and one backward (Note [eager calls skip the dispatcher] in ops/common.py):
+`flashtile::fwd`'s registered autograd, which torch.compile traces (fullgraph, no graph break), and an
+autograd.Function that eager calls on plain tensors use, calling the implementations without the dispatcher.
+No kernel code and no argument checking here.
 """
 
 import torch
 
 from .ops.bwd import attention_bwd
-from .ops.common import PACK_KV, PACK_QKV
+from .ops.common import PACK_KV, PACK_QKV, untraced
 from .ops.fwd import attention_fwd
 
 # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table
@@ -21,14 +23,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _gradients(ctx, dout, bwd):
     q, k, v, cu_q, cu_k, used_q, used_k, alibi, block_table, out, lse = ctx.saved_tensors
     if block_table is not None:
         raise NotImplementedError(
             "flashtile has no backward through a paged KV cache (block_table): paged K/V is an inference feature. "
             "Run the forward under torch.no_grad(), or pass contiguous k and v to get gradients.")
     packing = ctx.scalars[-1]
-    grads = attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi, *ctx.scalars)
+    grads = bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi, *ctx.scalars)
     if packing == PACK_QKV:
         dq, dk, dv = grads[0], None, None
     elif packing == PACK_KV:
@@ -38,6 +40,29 @@ def _backward(ctx, dout, _dlse):
     return (dq, dk, dv) + (None,) * (_N_TENSOR_INPUTS - 3 + len(ctx.scalars))
 
 
+def _backward(ctx, dout, _dlse):
+    return _gradients(ctx, dout, attention_bwd)
+
+
 torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setup_context)
 
-__all__ = ["attention_fwd"]
+
+class _EagerAttention(torch.autograd.Function):
+    """flashtile::fwd and its backward for eager calls, without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = attention_fwd.impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return _gradients(ctx, dout, attention_bwd.impl)
+
+
+def attention(*inputs):
+    """(out, lse) of flashtile::fwd's arguments, differentiable in q, k and v."""
+    if untraced(inputs):
+        return _EagerAttention.apply(*inputs)
+    return attention_fwd(*inputs)

@@ -1,8 +1,8 @@
 """Public API, argument-for-argument compatible with flash-attn 2.8's `flash_attn_interface`.
 
 Each function validates its arguments once (problem.py), normalises them (causal -> window, head dim padded to a
-multiple of 8), calls the `flashtile::fwd` custom op and trims the result. Gradients flow through the op's
-registered autograd (autograd.py). Layout is (batch, seqlen, nheads, headdim), or (total, nheads, headdim) for
+multiple of 8), calls the `flashtile::fwd` custom op (directly in eager mode: autograd.py) and trims the result.
+Gradients flow through the op's backward (autograd.py). Layout is (batch, seqlen, nheads, headdim), or (total, nheads, headdim) for
 the varlen functions, whose batch is packed along one token axis and described by cu_seqlens.
 """
 
@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import autograd  # noqa: F401  (registers the backward of flashtile::fwd)
+from .autograd import attention
 from .ops.common import PACK_KV, PACK_NONE, PACK_QKV
-from .ops.fwd import attention_fwd
 from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
 
@@ -28,9 +27,8 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     # The backward has no atomics (see ops/bwd.py), so it is bitwise reproducible whatever `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
-    out, lse = attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
-                             p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap,
-                             packing)
+    out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+                         p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap, packing)
     out = out[..., :p.head_dim] if out.shape[-1] != p.head_dim else out
     if return_attn_probs:
         # S_dmask is the dropout mask in flash-attn; without dropout it is an empty tensor there too.

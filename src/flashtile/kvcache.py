@@ -2,8 +2,8 @@
 `flash_attn_combine`).
 
 This module checks every argument once, with errors that name it, normalises the rest (an int cache_seqlens
-becomes a tensor, causal becomes a window) and calls the custom ops of ops/decode.py: `append_kv` when new k/v
-are given, then `decode`. Checks that need the values of device tensors (block-table entries in range,
+becomes a tensor, causal becomes a window) and calls the custom ops of ops/decode.py (in eager mode their
+implementations directly: ops/common.py): `append_kv` when new k/v are given, then `decode`. Checks that need the values of device tensors (block-table entries in range,
 cache_seqlens within capacity, ...) synchronise the device, so they run only with `FLASHTILE_CHECK=1`
 (env.debug_checks); the default path never synchronises and can be captured in a CUDA graph. No backward.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import env
+from .ops.common import call
 from .ops.decode import append_kv, capacity, decode
 from .ops.decode import combine as _combine_op
 from .problem import MAX_HEAD_DIM, check_alibi, check_index, check_scalar_args, check_tensor, normalize_window
@@ -170,11 +171,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
 
     if k is not None:
-        append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-                  bool(rotary_interleaved))
-    out, lse = decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                      alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved), seqlen_new, softmax_scale,
-                      window_left, window_right, float(softcap), num_splits)
+        call(append_kv, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+             rotary_sin, bool(rotary_interleaved))
+    out, lse = call(decode, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                    alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved), seqlen_new, softmax_scale,
+                    window_left, window_right, float(softcap), num_splits)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -220,7 +221,7 @@ def combine(out_partials, lse_partials, out_dtype=None):
         raise ValueError(f"out_partials must have unit stride in its last dimension, got {out_partials.stride()}")
     if num_splits < 1:
         raise ValueError("out_partials must hold at least one split (num_splits >= 1)")
-    out, lse = _combine_op(out_partials, lse_partials, out_dtype)
+    out, lse = call(_combine_op, out_partials, lse_partials, out_dtype)
     return (out[0], lse[0]) if varlen else (out, lse)
 
 

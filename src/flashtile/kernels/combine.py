@@ -66,6 +66,9 @@ def _combine_kernel(
 
     o = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     lse = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    # The merges form a chain but the loads do not: the launcher's num_stages pipelines them. Otherwise every split
+    # costs a memory latency, and a decode step with few rows (one long sequence, 32 splits) would spend longer
+    # here than reading its KV cache.
     for s in range(num_splits):
         o_s = tl.load(O_PARTIAL + s * stride_ps + o_rows[:, None] + d[None, :], mask=mask, other=0.0)
         lse_s = tl.load(LSE_PARTIAL + s * stride_qs + lse_rows, mask=row_ok, other=float("-inf"))

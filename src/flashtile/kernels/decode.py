@@ -19,6 +19,8 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
              r = j + leftpad. Masks are aligned bottom-right to L (diag = L - Sq).
   BLOCK_N    key rows per inner-loop step. Tiles are aligned on physical rows, so with page_size a multiple of
              BLOCK_N a tile never straddles a page; the first tile of a left-padded sequence is masked.
+  PAGE_TILED PAGED with page_size a multiple of BLOCK_N: a tile's rows are contiguous in one page, so the kernel
+             reads one block-table entry per tile instead of translating each row (kvcache.cache_coords).
   BLOCK_T    an upper bound on the query tokens one M tile spans (for the key block range).
   BLOCK_D    head dim rounded up to a power of two; columns past HEAD_DIM are masked on load and store (the cache
              cannot be zero-padded, it is the caller's tensor).
@@ -26,10 +28,10 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
   UPCAST     compute on fp32 copies of bf16 tiles: only under the CPU interpreter, which cannot compute on bf16.
   DOT_PRECISION   "ieee" for fp32 inputs (true fp32 products), "tf32" otherwise; from problem.kernel_flags.
 
-Flags that change the code: PAGED (row translation through the block table), HAS_BATCH_IDX, HAS_LEFTPAD,
-HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position cache_seqlens + t when
-the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-DOT_PRECISION.
+Flags that change the code: PAGED (row translation through the block table), PAGE_TILED, HAS_BATCH_IDX,
+HAS_LEFTPAD, HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position
+cache_seqlens + t when the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+HAS_ALIBI, UPCAST, DOT_PRECISION.
 Never reads a row outside [leftpad, cache_seqlens + S_new) of its sequence, nor a block-table entry for one.
 Does not write the cache (kvcache.py appends) and has no backward.
 """
@@ -60,14 +62,19 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
                   r_lo, r_hi, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                  PAGED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr,
+                  MASK_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in tl.range(lo, hi, BLOCK_N):
         r = start + offs_n
         row_ok = (r >= r_lo) & (r < r_hi)  # the sequence's own rows; only MASKED blocks use (and compute) it
-        if MASKED:
+        if PAGE_TILED:
+            # The tile lies in one page, which holds rows of this sequence: one block-table entry for all rows.
+            page, off = cache_coords(start, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
+            off = off + offs_n
+        elif MASKED:
             page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, row_ok, PAGED)
         else:
             page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
@@ -102,7 +109,7 @@ def _decode_kernel(
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
-    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -172,20 +179,20 @@ def _decode_kernel(
                                   split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, MASK_LEFT, MASK_RIGHT,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, MASK_LEFT, MASK_RIGHT,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state.

@@ -18,8 +18,8 @@ import triton
 from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch,
-                     schedule, tile_grid, tma_ready, unpack)
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, head_dims, launch,
+                     prepare_launch, schedule, tile_grid, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 
 
@@ -36,7 +36,7 @@ def _grad_buffers(q, k, v, packing):
     return grads, tuple(grads)
 
 
-@torch.library.custom_op("flashtile::bwd", mutates_args=())
+@custom_op("flashtile::bwd", mutates_args=())
 def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     out: torch.Tensor, lse: torch.Tensor,

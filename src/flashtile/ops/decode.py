@@ -27,26 +27,33 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, launch_opts
+from .common import alibi_batch_stride, custom_op, launch_opts
 from .fwd import logit_scales
 
 _GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
+_TUNED = "measured on H200, 2026-11-29, triton 3.6, tools/tune_decode.py (PERF.md)"
+_SCALED = "d128's measured tile scaled to the same K/V bytes per stage, not measured"
 
 # Padded head dim -> decode tile config. block_m is the most packed query rows (GQA group x tokens) per tile: a
 # decode step packs fewer, and the launcher shrinks BLOCK_M to the next power of two >= 16 of what it packs.
-# BLOCK_N x BLOCK_D x 2 bytes x (K + V) x num_stages stays near 100 KB so that two programs fit on one SM.
+# Decode streams K/V, so what matters is bytes in flight per SM and every program resident at once: a 16 KB K+V
+# stage (32 rows at d128) with 3 stages keeps a program near 50 KB of shared memory, so the PROGRAMS_PER_SM
+# programs of the split heuristic all fit on an SM in one wave. Measured at d128: 64-row tiles (twice the bytes,
+# two programs per SM, two waves) read 3.6 / 2.8 / 3.4 TB/s on 2 x 128k tokens (contiguous / 16-token pages /
+# 256-token pages) against 4.1 / 3.9 / 4.1 with 32 rows.
 DECODE_TABLE: dict[int, TileConfig] = {
     16: TileConfig(64, 128, 4, 3, _GUESS),
     32: TileConfig(64, 128, 4, 3, _GUESS),
-    64: TileConfig(64, 128, 4, 3, _GUESS),
-    128: TileConfig(64, 64, 4, 3, _GUESS),
+    64: TileConfig(64, 64, 4, 3, _SCALED),
+    128: TileConfig(64, 32, 4, 3, _TUNED),
     256: TileConfig(32, 32, 8, 3, _GUESS),
 }
 _DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
 
 APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
-COMBINE_BLOCK_R = 4 if env.INTERPRET else 16  # rows per combine program
-SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append and combine: one pass, nothing to pipeline
+COMBINE_BLOCK_R = (4, 16)  # rows per combine program: the first while rows are too few to fill the GPU
+SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append: one pass, nothing to pipeline
+COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits ahead in flight (combine.py)
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0), an initial guess: aim for PROGRAMS_PER_SM programs per SM so that enough K/V
@@ -95,6 +102,11 @@ def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, i
     return block_m, min(span, triton.next_power_of_2(seqlen_q)), triton.cdiv(rows, block_m)
 
 
+def page_tiled(block_table: Optional[torch.Tensor], k_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether the decode kernel can read one block-table entry per key tile: pages hold whole tiles."""
+    return block_table is not None and k_cache.shape[1] % block_n == 0
+
+
 def decode_launch_opts(cfg: TileConfig, paged: bool) -> dict:
     """Triton's software pipeliner gives the block-table load a stage of its own and the K/V loads that depend on
     it fewer buffers: on sm_90 (see the compile check) contiguous caches get 2 K/V tiles in flight at num_stages=3,
@@ -112,12 +124,14 @@ def production_configs() -> list[tuple[str, dict, dict]]:
     for d, cfg in DECODE_TABLE.items():
         block_m = 16
         while block_m <= cfg.block_m:
-            for paged in (False, True):
-                tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "PAGED": paged}
+            for paged, tiled in ((False, False), (True, False), (True, True)):
+                tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "PAGED": paged,
+                        "PAGE_TILED": tiled}
                 rows.append(("decode", tile, decode_launch_opts(cfg, paged)))
             block_m *= 2
         rows.append(("append_kv", {"BLOCK_D": d, "BLOCK_T": APPEND_BLOCK_T}, SMALL_KERNEL_OPTS))
-        rows.append(("combine", {"BLOCK_D": d, "BLOCK_R": COMBINE_BLOCK_R}, SMALL_KERNEL_OPTS))
+        for block_r in COMBINE_BLOCK_R:
+            rows.append(("combine", {"BLOCK_D": d, "BLOCK_R": block_r}, COMBINE_OPTS))
     return rows
 
 
@@ -132,7 +146,7 @@ def _rotary_args(rotary_cos):
     return rotary_cos.stride(0), 2 * rotary_cos.shape[1]
 
 
-@torch.library.custom_op("flashtile::append_kv", mutates_args=("k_cache", "v_cache"))
+@custom_op("flashtile::append_kv", mutates_args=("k_cache", "v_cache"))
 def append_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
     cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
@@ -172,16 +186,18 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
     n_rows = batch * seqlen_q * nheads
     if n_rows == 0 or head_dim == 0:
         return
-    _combine_kernel[(triton.cdiv(n_rows, COMBINE_BLOCK_R),)](
+    small, large = COMBINE_BLOCK_R
+    block_r = large if n_rows >= large * sm_count(out.device) else small
+    _combine_kernel[(triton.cdiv(n_rows, block_r),)](
         out_partials, lse_partials, out, lse,
         *out_partials.stride()[:4], *lse_partials.stride()[:4],
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
         num_splits, seqlen_q, nheads, n_rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=COMBINE_BLOCK_R, **SMALL_KERNEL_OPTS,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=block_r, **COMBINE_OPTS,
     )
 
 
-@torch.library.custom_op("flashtile::combine", mutates_args=())
+@custom_op("flashtile::combine", mutates_args=())
 def combine(out_partials: torch.Tensor, lse_partials: torch.Tensor,
             out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out (B, Sq, H, D) in out_dtype (default fp32), lse (B, H, Sq) fp32)."""
@@ -199,7 +215,7 @@ def _(out_partials, lse_partials, out_dtype):
             lse_partials.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
 
-@torch.library.custom_op("flashtile::decode", mutates_args=())
+@custom_op("flashtile::decode", mutates_args=())
 def decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
@@ -246,7 +262,8 @@ def decode(
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
-        GROUP=group, PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
+        GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
+        HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
         ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _SHARED_FLAGS},
         **decode_launch_opts(cfg, block_table is not None),

@@ -17,8 +17,8 @@ import torch
 
 from ..kernels.fwd import _attn_fwd_kernel
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, head_dims, launch, prepare_launch, schedule, tile_grid,
-                     tma_ready, unpack)
+from .common import (alibi_batch_stride, bmh_strides, custom_op, head_dims, launch, prepare_launch, schedule,
+                     tile_grid, tma_ready, unpack)
 
 
 def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -37,7 +37,7 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
-@torch.library.custom_op("flashtile::fwd", mutates_args=())
+@custom_op("flashtile::fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],

@@ -1,0 +1,88 @@
+"""Decode tile and split tuning on the GPU: one knob at a time from the table's config, under CUDA-graph replay.
+
+Knobs: the d128 decode tile (BLOCK_N, warps, stages), PAGED_EXTRA_STAGES and PROGRAMS_PER_SM (the split
+heuristic). Cases: the decode preset's corners (GQA 32/8, d128, Sq=1, 256k cached tokens as 2 x 128k, 8 x 32k and
+64 x 4k), contiguous and paged. Prints K/V read bandwidth (TB/s) per knob setting and case, and writes JSON.
+
+Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH]
+"""
+
+import argparse
+import dataclasses
+import json
+
+import torch
+import triton
+
+import flashtile
+from flashtile.ops import decode as decode_ops
+
+CASES = [(2, 131072), (8, 32768), (64, 4096)]
+PAGES = (0, 16, 256)
+
+
+def _inputs(batch, seqlen, page_size, hk=8, h=32, d=128):
+    q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch * seqlen, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    if not page_size:
+        return q, k.view(batch, seqlen, hk, d), v.view(batch, seqlen, hk, d), seqlens, None
+    pages = batch * seqlen // page_size
+    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
+    return (q, k.view(pages, page_size, hk, d), v.view(pages, page_size, hk, d), seqlens, table)
+
+
+def _tbps(batch, seqlen, page_size):
+    q, k, v, seqlens, table = _inputs(batch, seqlen, page_size)
+
+    def run():
+        flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, causal=True)
+
+    run()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(run, rep=20)
+    return 2 * k.numel() * k.element_size() / ms / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    base = decode_ops.DECODE_TABLE[128]
+    settings = [("table", {}, {})]
+    for bn in (32, 128):
+        settings.append((f"block_n={bn}", {"block_n": bn}, {}))
+    settings.append(("warps=8", {"num_warps": 8}, {}))
+    for st in (2, 4, 5):
+        settings.append((f"stages={st}", {"num_stages": st}, {}))
+    for pps in (2, 8):
+        settings.append((f"programs/SM={pps}", {}, {"PROGRAMS_PER_SM": pps}))
+    for extra in (0, 1):
+        settings.append((f"paged+stages={extra}", {}, {"PAGED_EXTRA_STAGES": extra}))
+    defaults = {name: getattr(decode_ops, name) for name in ("PROGRAMS_PER_SM", "PAGED_EXTRA_STAGES")}
+    rows = []
+    header = "setting              " + "  ".join(f"b{b}x{s // 1024}k/p{p:<3d}" for b, s in CASES for p in PAGES)
+    print(header)
+    for name, tile, module in settings:
+        decode_ops.DECODE_TABLE[128] = dataclasses.replace(base, **tile)
+        for key, value in dict(defaults, **module).items():
+            setattr(decode_ops, key, value)
+        speeds = []
+        for b, s in CASES:
+            for p in PAGES:
+                try:
+                    speeds.append(_tbps(b, s, p))
+                except Exception as e:  # a config that does not compile or fit is a result, not a crash
+                    print(f"  {name} b{b} s{s} p{p}: {type(e).__name__}: {str(e)[:120]}")
+                    speeds.append(float("nan"))
+                rows.append(dict(setting=name, batch=b, seqlen=s, page_size=p, tbps=speeds[-1]))
+        print(f"{name:20s} " + "  ".join(f"{x:12.2f}" for x in speeds), flush=True)
+    decode_ops.DECODE_TABLE[128] = base
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), base=dataclasses.asdict(base), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
