@@ -140,6 +140,14 @@ def test_failing_backends_become_rows_not_crashes():
     assert rows[2]["ms"] > 0 and rows[2]["tflops"] > 0
 
 
+def test_rows_are_handed_over_after_every_case():
+    seen = []
+    cases = [_cpu_case(), dataclasses.replace(_cpu_case(), causal=not _cpu_case().causal)]
+    rows = bench_run.run(cases, [BACKENDS["sdpa-math"]], CPU, progress=lambda *a: None,
+                         on_case=lambda rows: seen.append(len(rows)))
+    assert seen == [1, 2] and len(rows) == 2
+
+
 def test_missing_library_is_unsupported(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` raise ImportError
     row = bench_run.run_backend(_cpu_case(), make_inputs(_cpu_case(), CPU), dataclasses.replace(

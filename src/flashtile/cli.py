@@ -168,7 +168,8 @@ def _bench(parser, args, device, interpreted: bool) -> int:
         env = report.environment(device, interpreted, dict(kv.split("=", 1) for kv in args.meta if "=" in kv))
         if interpreted:
             print(report.CPU_NOTE, file=sys.stderr)
-        rows = run(cases, backends, device, args.refcheck, args.rep_ms)
+        save = (lambda rows: report.write_json(args.json, env, rows)) if args.json else None
+        rows = run(cases, backends, device, args.refcheck, args.rep_ms, on_case=save)
     print("\n" + report.headline(env))
     if env.get("note"):
         print(env["note"])

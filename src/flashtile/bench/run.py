@@ -102,7 +102,10 @@ def _reference(case: Case, inputs):
 
 
 def run(cases: list[Case], backends: list[Backend], device: torch.device, refcheck: bool = False,
-        rep_ms: int = 100, progress: Callable[[int, int, str], None] = progress_line) -> list[dict]:
+        rep_ms: int = 100, progress: Callable[[int, int, str], None] = progress_line,
+        on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Rows of every (case, backend). on_case(rows so far) runs after each case: the CLI saves its JSON there, so
+    a run cut short (a time limit on a lent GPU) keeps the cases it finished."""
     rows = []
     steps, step = len(cases) * len(backends), 0
     for case in cases:
@@ -117,6 +120,8 @@ def run(cases: list[Case], backends: list[Backend], device: torch.device, refche
             step += 1
         compare(case_rows)
         rows += case_rows
+        if on_case is not None:
+            on_case(rows)
         del inputs, reference
     progress(steps, steps, "done")
     return rows
