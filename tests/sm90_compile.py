@@ -32,6 +32,9 @@ FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
                 "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
+# Dense batches pass host-built TMA descriptors (ops/fwd.py: Note [host descriptors]): the argument -> its box rows.
+HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "DO": "BLOCK_M", "DQ": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N",
+              "DK": "BLOCK_N", "DV": "BLOCK_N"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
             "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
             "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
@@ -47,6 +50,9 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
         elif name in OPTIONAL and OPTIONAL[name] in fn.arg_names and not constexprs.get(OPTIONAL[name], False):
             signature[name] = "constexpr"
             consts[name] = None
+        elif name in HOST_DESCS and constexprs.get("HOST_DESC"):
+            rows = constexprs[HOST_DESCS[name]]
+            signature[name] = f"tensordesc<{dtype}[1,{rows},1,{constexprs['BLOCK_D']}]>"
         elif name.isupper():
             elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
             signature[name] = "*" + elem
@@ -62,12 +68,15 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 FLAG_SETS = {
-    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, MASK_LEFT=False,
-                  MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False, DOT_PRECISION="tf32"),
-    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, MASK_LEFT=True,
-                MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False, DOT_PRECISION="tf32"),
-    "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, MASK_LEFT=False,
-                  MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False, DOT_PRECISION="tf32"),
+    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, HOST_DESC=True,
+                  MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
+                  DOT_PRECISION="tf32"),
+    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, HOST_DESC=False,
+                MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
+                DOT_PRECISION="tf32"),
+    "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, HOST_DESC=False,
+                  MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
+                  DOT_PRECISION="tf32"),
 }
 
 
@@ -102,7 +111,7 @@ def main(argv):
             if "--ptxas" in argv:
                 row |= ptxas_report(ptx)
             print(json.dumps(row), flush=True)
-    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128), 4, 1)
+    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HOST_DESC=True), 4, 1)
     print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
     c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
                                               COST_PACKED=True), 4, 1)

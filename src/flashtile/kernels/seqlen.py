@@ -45,6 +45,30 @@ def row_desc(base, length, stride_m, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.cons
 
 
 @triton.jit
+def load_rows(src, row, b, h, FULL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (BLOCK_ROWS, BLOCK_D) tile at rows [row, row + BLOCK_ROWS) of sequence b, head h. `src` is a `row_desc`
+    (b and h are baked into its base), or with FULL a host-built rank-4 descriptor over the whole dense
+    (B, S, H, D) tensor, read in (1, BLOCK_ROWS, 1, BLOCK_D) boxes. Either way rows past the sequence and
+    columns past HEAD_DIM read as zeros."""
+    if FULL:
+        tile = src.load([b, row, h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        tile = src.load([row, 0])
+    return tile
+
+
+@triton.jit
+def store_rows(dst, row, b, h, tile, FULL: tl.constexpr):
+    """Write `tile`, in the descriptor's dtype, where `load_rows` reads it; rows past the sequence and columns
+    past HEAD_DIM are dropped."""
+    tile = tile.to(dst.dtype)
+    if FULL:
+        dst.store([b, row, h, 0], tile.reshape(1, tile.shape[0], 1, tile.shape[1]))
+    else:
+        dst.store([row, 0], tile)
+
+
+@triton.jit
 def seq_info(b, bound, cu_seqlens, seqused, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
              PACKED: tl.constexpr = True):
     """Returns (first row of sequence b in the packed tensor, its length): (0, bound) for a dense batch, where

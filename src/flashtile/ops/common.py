@@ -17,6 +17,7 @@ import functools
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import env
 from ..config import CANDIDATES, TileConfig, block_d, tile_config
@@ -68,6 +69,29 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     aligned = t.data_ptr() % _TMA_ALIGN == 0 and all(
         s > 0 and (s * es) % _TMA_ALIGN == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
     return t if aligned else t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def dense_desc(t: torch.Tensor) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over a dense (B, S, H, D) tensor (tma_ready), for seqlen.load_rows/store_rows. Its
+    block shape (1, rows, 1, BLOCK_D) depends on the tile config: `descriptor_blocks` sets it at launch."""
+    strides = list(t.stride())
+    # A dimension of size 1 is never stepped along, but TMA wants every stride 16-byte aligned: give it the
+    # stride it would have in a contiguous tensor.
+    for i in (2, 1, 0):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    return TensorDescriptor(t, list(t.shape), strides, [1, 16, 1, 16])
+
+
+def descriptor_blocks(rows: dict):
+    """A launch pre-hook: set the block shape of each host descriptor argument named in `rows` (argument name ->
+    the tile-config constexpr giving its rows), so that the boxes follow the config an autotuner or the table
+    picks."""
+    def hook(nargs):
+        for name, block in rows.items():
+            if isinstance(nargs[name], TensorDescriptor):
+                nargs[name].block_shape = [1, nargs[block], 1, nargs["BLOCK_D"]]
+    return hook
 
 
 def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -129,21 +153,25 @@ _TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT
 
 
 @functools.cache
-def _autotuned(kernel, name: str):
-    configs = [triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in CANDIDATES[name]]
+def _autotuned(kernel, name: str, pre_hook):
+    configs = [triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
+               for c in CANDIDATES[name]]
     return triton.autotune(configs=configs, key=_TUNE_KEY, cache_results=True)(kernel)
 
 
-def launch(kernel, name: str, head_dim: int, grid, *args, **kwargs) -> None:
-    """Launch `kernel` with the tile config of `name` (config.py) and grid(BLOCK_M, BLOCK_N).
+def launch(kernel, name: str, head_dim: int, grid, *args, pre_hook=None, **kwargs) -> None:
+    """Launch `kernel` with the tile config of `name` (config.py) and grid(BLOCK_M, BLOCK_N); pre_hook(arguments
+    by name, the config's included) runs first, as a triton.Config pre-hook does.
 
     With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
     class; Triton caches the choice on disk). The interpreter always uses the table.
     """
     if env.autotune() and not env.INTERPRET:
-        _autotuned(kernel, name)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
+        _autotuned(kernel, name, pre_hook)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
         return
     cfg = tile_config(name, head_dim)
+    if pre_hook is not None:
+        pre_hook(dict(zip(kernel.arg_names, args)) | kwargs | cfg.kwargs())
     kernel[grid(cfg.block_m, cfg.block_n)](*args, **kwargs, **cfg.kwargs(), **launch_opts(cfg))
 
 

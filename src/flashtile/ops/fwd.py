@@ -17,8 +17,13 @@ import torch
 
 from ..kernels.fwd import _attn_fwd_kernel
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, custom_op, head_dims, launch, prepare_launch, schedule,
-                     tile_grid, tma_ready, unpack)
+from .common import (alibi_batch_stride, bmh_strides, custom_op, dense_desc, descriptor_blocks, head_dims, launch,
+                     prepare_launch, schedule, tile_grid, tma_ready, unpack)
+
+
+# Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both.
+HOST_DESCRIPTORS = True
+_FWD_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"})
 
 
 def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -80,15 +85,22 @@ def attention_fwd(
     # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page ones.
     kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
     stride_btb, page_size, num_pages = (block_table.stride(0), k.shape[1], k.shape[0]) if paged else (0, 1, batch)
+    # Note [host descriptors]: a dense batch's sequences all end at row S, so one descriptor per tensor, built
+    # here and passed as a kernel parameter, bounds every sequence; a varlen sequence ends where cu_seqlens says,
+    # so its descriptors are built per program on the device (a global-memory write and a proxy fence each, a
+    # fixed cost that weighs most on short sequences, where each program runs few key blocks).
+    host_desc = HOST_DESCRIPTORS and not varlen and not paged and k.numel() > 0
+    qd, kd, vd, od = (dense_desc(t) for t in (q, k, v, out)) if host_desc else (q, k, v, out)
     prepare_launch(q)
     launch(
         _attn_fwd_kernel, "fwd", head_dim,
         lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
-        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
+        qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
         *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
         *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
         seqlen_q, seqlen_k, batch, page_size, num_pages, qk_scale, softcap2, window_left, window_right,
-        GROUP=nheads // nheads_kv, PAGED=paged, **head_dims(head_dim), **flags,
+        GROUP=nheads // nheads_kv, PAGED=paged, HOST_DESC=host_desc, **head_dims(head_dim), **flags,
+        pre_hook=_FWD_BLOCKS,
     )
     return out, lse
 
