@@ -56,7 +56,6 @@ def main():
         label = f"b{b} s{s} h{h} d{d}{' causal' if causal else ''}"
         print(f"{label:27s} {times['fwd dev']:7.3f}  {times['fwd host']:8.3f} |        "
               + "  ".join(f"{times['fwdbwd ' + v]:9.3f}" for v in VARIANTS), flush=True)
-        del q, k, v, dout
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
