@@ -32,9 +32,8 @@ FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
                 "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
-# Dense batches pass host-built TMA descriptors (ops/fwd.py: Note [host descriptors]): the argument -> its box rows.
-HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "DO": "BLOCK_M", "DQ": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N",
-              "DK": "BLOCK_N", "DV": "BLOCK_N"}
+# The dense forward takes host-built TMA descriptors (ops/fwd.py: Note [host descriptors]): argument -> box rows.
+HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
             "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
             "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
@@ -111,7 +110,7 @@ def main(argv):
             if "--ptxas" in argv:
                 row |= ptxas_report(ptx)
             print(json.dumps(row), flush=True)
-    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, HOST_DESC=True), 4, 1)
+    c = compile_kernel(_bwd_preprocess_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128), 4, 1)
     print(json.dumps({"kernel": "bwd_preprocess", "head_dim": 128, "shared": c.metadata.shared}), flush=True)
     c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
                                               COST_PACKED=True), 4, 1)

@@ -13,9 +13,8 @@ Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse *
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
   dK += dS^T Q;  dQ += dS K;  finally dK and dQ are scaled by softmax_scale.
 Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys past seqlen_k are zero rows
-(descriptor zero-fill) and are masked where they could reach a stored value. Dense batches get host-built
-descriptors (HOST_DESC: seqlen.load_rows; ops/fwd.py, Note [host descriptors]); varlen ones build them per
-program. Varlen dK/dV and dQ grids are tile lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); the preprocess
+(descriptor zero-fill) and are masked where they could reach a stored value. Varlen dK/dV and dQ grids are tile
+lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); the preprocess
 kernel is per row, so it sees a varlen batch as one sequence of total_q rows. Offsets that can pass 2^31 elements
 are int64, as in the forward. Does not do dropout or paged K/V.
 """
@@ -24,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
-from .seqlen import load_rows, row_desc, seq_info, store_rows, tile_coords
+from .seqlen import row_desc, seq_info, tile_coords
 
 
 @triton.jit
@@ -34,7 +33,7 @@ def _bwd_preprocess_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
     seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HOST_DESC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -42,30 +41,26 @@ def _bwd_preprocess_kernel(
     m_start = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    if HOST_DESC:
-        o_src, do_src = O, DO
-    else:
-        o_src = row_desc(O + b64 * stride_ob + h64 * stride_oh, seqlen_q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D)
-        do_src = row_desc(DO + b64 * stride_dob + h64 * stride_doh, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM,
-                          BLOCK_D)
-    o = load_rows(o_src, m_start, b, h, HOST_DESC, BLOCK_M, BLOCK_D).to(tl.float32)
-    do = load_rows(do_src, m_start, b, h, HOST_DESC, BLOCK_M, BLOCK_D).to(tl.float32)
+    o_desc = row_desc(O + b64 * stride_ob + h64 * stride_oh, seqlen_q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D)
+    do_desc = row_desc(DO + b64 * stride_dob + h64 * stride_doh, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+    o = o_desc.load([m_start, 0]).to(tl.float32)
+    do = do_desc.load([m_start, 0]).to(tl.float32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, lo, hi,
+def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
                     seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HOST_DESC: tl.constexpr, MASKED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
-        q = load_rows(q_src, start_m, b, h, HOST_DESC, BLOCK_M, BLOCK_D)
-        do = load_rows(do_src, start_m, b, h, HOST_DESC, BLOCK_M, BLOCK_D)
+        q = q_desc.load([start_m, 0])
+        do = do_desc.load([start_m, 0])
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -101,7 +96,7 @@ def _bwd_dkdv_kernel(
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HOST_DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
@@ -114,19 +109,12 @@ def _bwd_dkdv_kernel(
         return
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    if HOST_DESC:
-        k_src, v_src, dk_dst, dv_dst = K, V, DK, DV
-    else:
-        k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                         seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
-        v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
-        dk_dst = row_desc(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh,
-                          seqlen_k, stride_dkn, BLOCK_N, HEAD_DIM, BLOCK_D)
-        dv_dst = row_desc(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh,
-                          seqlen_k, stride_dvn, BLOCK_N, HEAD_DIM, BLOCK_D)
-    k = load_rows(k_src, n_start, b, hk, HOST_DESC, BLOCK_N, BLOCK_D)
-    v = load_rows(v_src, n_start, b, hk, HOST_DESC, BLOCK_N, BLOCK_D)
+    k_desc = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                      seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v_desc = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                      seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    k = k_desc.load([n_start, 0])
+    v = v_desc.load([n_start, 0])
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -139,45 +127,43 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         h64 = h.to(tl.int64)
-        if HOST_DESC:
-            q_src, do_src = Q, DO
-        else:
-            q_src = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
-                             seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
-            do_src = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
-                              seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+        q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
+                          seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+        do_desc = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
+                           seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
         LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, lo, full_lo,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, BLOCK_D,
-                                 HOST_DESC, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-                                 DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, full_lo, full_hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, BLOCK_D,
-                                 HOST_DESC, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-                                 DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, full_hi, hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, BLOCK_D,
-                                 HOST_DESC, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-                                 DOT_PRECISION)
-    store_rows(dk_dst, n_start, b, hk, dk * softmax_scale, HOST_DESC)
-    store_rows(dv_dst, n_start, b, hk, dv, HOST_DESC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, False,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+    dk_desc = row_desc(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh,
+                       seqlen_k, stride_dkn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    dv_desc = row_desc(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh,
+                       seqlen_k, stride_dvn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    dk_desc.store([n_start, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
+    dv_desc.store([n_start, 0], dv.to(DV.dtype.element_ty))
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, lo, hi,
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HOST_DESC: tl.constexpr, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k = load_rows(k_src, start_n, b, hk, HOST_DESC, BLOCK_N, BLOCK_D)
-        v = load_rows(v_src, start_n, b, hk, HOST_DESC, BLOCK_N, BLOCK_D)
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -208,7 +194,7 @@ def _bwd_dq_kernel(
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HOST_DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
@@ -222,21 +208,16 @@ def _bwd_dq_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    if HOST_DESC:
-        q_src, do_src, k_src, v_src, dq_dst = Q, DO, K, V, DQ
-    else:
-        q_src = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
-                         seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
-        do_src = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
-                          seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
-        k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                         seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
-        v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
-        dq_dst = row_desc(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh,
-                          seqlen_q, stride_dqm, BLOCK_M, HEAD_DIM, BLOCK_D)
-    q = load_rows(q_src, m_start, b, h, HOST_DESC, BLOCK_M, BLOCK_D)
-    do = load_rows(do_src, m_start, b, h, HOST_DESC, BLOCK_M, BLOCK_D)
+    q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
+                      seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+    do_desc = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
+                       seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+    k_desc = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                      seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v_desc = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                      seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    q = q_desc.load([m_start, 0])
+    do = do_desc.load([m_start, 0])
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -253,13 +234,15 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, lo, full_lo, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, HOST_DESC, True,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, True,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, HOST_DESC, False,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, False,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, full_hi, hi, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, HOST_DESC, True,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, True,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    store_rows(dq_dst, m_start, b, h, dq * softmax_scale, HOST_DESC)
+    dq_desc = row_desc(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh,
+                       seqlen_q, stride_dqm, BLOCK_M, HEAD_DIM, BLOCK_D)
+    dq_desc.store([m_start, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))

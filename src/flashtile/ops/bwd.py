@@ -18,16 +18,9 @@ import triton
 from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, dense_desc, descriptor_blocks,
-                     head_dims, launch, prepare_launch, schedule, tile_grid, tma_ready, unpack)
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, head_dims, launch,
+                     prepare_launch, schedule, tile_grid, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
-
-
-# As ops/fwd.py's HOST_DESCRIPTORS, for the three backward kernels.
-HOST_DESCRIPTORS = True
-_DKDV_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "DO": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N", "DK": "BLOCK_N",
-                                  "DV": "BLOCK_N"})
-_DQ_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "DO": "BLOCK_M", "DQ": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"})
 
 
 def _grad_buffers(q, k, v, packing):
@@ -89,22 +82,12 @@ def attention_bwd(
     delta = torch.empty_like(lse)
     cfg = tile_config("fwd", head_dim)
     rows, seqs = (q.shape[0], 1) if varlen else (seqlen_q, batch)
-    # Dense batches pass host-built descriptors (ops/fwd.py: Note [host descriptors]), fresh ones per kernel:
-    # a launch sets their block shapes to its own tile config.
-    host_desc = HOST_DESCRIPTORS and not varlen
-
-    def descs(*tensors):
-        return tuple(dense_desc(t) for t in tensors) if host_desc else tensors
-
-    o_src, do_src = descs(out, dout)
-    if host_desc:
-        o_src.block_shape = do_src.block_shape = [1, cfg.block_m, 1, dims["BLOCK_D"]]
     _bwd_preprocess_kernel[(triton.cdiv(rows, cfg.block_m), nheads, seqs)](
-        o_src, do_src, delta,
+        out, dout, delta,
         *bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), rows,
-        **dims, BLOCK_M=cfg.block_m, HOST_DESC=host_desc,
+        **dims, BLOCK_M=cfg.block_m,
     )
-    common = dict(GROUP=nheads // nheads_kv, HOST_DESC=host_desc, **dims, **flags)
+    common = dict(GROUP=nheads // nheads_kv, **dims, **flags)
     scalars = (seqlen_q, seqlen_k, batch, qk_scale, softcap2, softmax_scale, window_left, window_right)
     strides_qkv_do = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                       *bmh_strides(dout, varlen))
@@ -113,16 +96,14 @@ def attention_bwd(
     launch(
         _bwd_dkdv_kernel, "bwd_dkdv", head_dim,
         lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen),
-        *descs(q, k, v, dout, dk, dv), lse, delta, alibi_slopes, *seq_args, order_dkdv,
+        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
         *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
-        pre_hook=_DKDV_BLOCKS,
     )
     launch(
         _bwd_dq_kernel, "bwd_dq", head_dim,
         lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
-        *descs(q, k, v, dout, dq), lse, delta, alibi_slopes, *seq_args, order_dq,
+        q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
         *strides_qkv_do, *bmh_strides(dq, varlen), *tail, **common,
-        pre_hook=_DQ_BLOCKS,
     )
     return grads
 
