@@ -24,6 +24,7 @@ from flashtile.config import production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
 from flashtile.kernels.seqlen import MAX_SORT, _schedule_kernel  # noqa: E402
+from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
@@ -101,6 +102,8 @@ def main(argv):
             if flags["PAGED"] and "PAGED" not in fn.arg_names:
                 continue
             flags = {name: value for name, value in flags.items() if name in fn.arg_names}
+            if flags.get("HOST_DESC") and d > HOST_DESCRIPTOR_MAX_D:
+                flags["HOST_DESC"] = False  # what the launcher passes for such head dims (ops/fwd.py)
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
             c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages)
             ptx = c.asm["ptx"]

@@ -126,6 +126,44 @@ def test_non_contiguous_and_misaligned_layouts(device):
     assert torch.equal(flashtile.flash_attn_func(q_t, k_odd, v, causal=True), expected)
 
 
+def test_size_one_dims_with_any_stride(device):
+    """A dimension of size 1 may carry any stride (views and expands make such tensors); TMA wants every stride
+    16-byte aligned, so the dense launcher's descriptors replace them (ops/common.py: dense_desc)."""
+    q, k, v = qkv(device, b=1, h=1, hk=1)
+    odd = [t.as_strided(t.shape, (3, t.stride(1), 5, 1)) for t in (q, k, v)]
+    assert [t.stride() for t in odd] != [t.stride() for t in (q, k, v)]
+    assert torch.equal(flashtile.flash_attn_func(*odd, causal=True), flashtile.flash_attn_func(q, k, v, causal=True))
+
+
+def test_eager_route_and_custom_op_route_agree(device):
+    """Eager calls run the op's implementations without the dispatcher (ops/common.py: Note [eager calls skip the
+    dispatcher]); the custom op, with its registered autograd, is what tracing sees. Same numbers, bitwise."""
+    q, k, v = qkv(device)
+    dout = torch.randn_like(q)
+
+    def through_op(q, k, v):
+        return torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, q.shape[1], k.shape[1],
+                                       q.shape[-1] ** -0.5, -1, 0, 0.0, 0)[0]
+
+    got = grads(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    want = grads(through_op, (q, k, v), dout)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_tensor_subclasses_take_the_custom_op_route():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashtile.ops.common import untraced
+    q = torch.randn(1, 8, 2, 16)
+    assert untraced((q, None, 3)) and untraced((torch.nn.Parameter(q),))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        assert not untraced((fake, None))
+        out = flashtile.flash_attn_func(fake, fake, fake)  # the op's fake runs: no kernel, no error
+    assert out.shape == q.shape
+
+
 def test_fully_masked_rows_are_zero_without_nan(device):
     # seqlen_q > seqlen_k with causal: the first Sq - Sk rows see no key.
     q, k, v = nan_guarded((1, 40, 2, 32), torch.float16, device), *(

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..config import block_d
 from ..kernels.fwd import _attn_fwd_kernel
 from ..problem import kernel_flags
 from .common import (alibi_batch_stride, bmh_strides, custom_op, dense_desc, descriptor_blocks, head_dims, launch,
@@ -22,8 +23,11 @@ from .common import (alibi_batch_stride, bmh_strides, custom_op, dense_desc, des
 
 
 # Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both
-# ways, and varlen batches always take the other path.
+# ways, and varlen batches always take the other path. Only up to the head dims where it was measured: at d256
+# the Q tile the host path holds in registers takes the forward from 223 to 254 registers (no spill, per
+# tests/sm90_compile.py --ptxas), which is untimed.
 HOST_DESCRIPTORS = True
+HOST_DESCRIPTOR_MAX_D = 128
 _FWD_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"})
 
 
@@ -93,7 +97,8 @@ def attention_fwd(
     # H200 (PERF.md): the dense forward 6-23% faster at S = 1k-4k. The backward keeps device descriptors: with
     # host ones, the tiles its kernels hold for a whole loop come out of the rank-4 boxes through registers
     # (dK/dV at d128 spilled 360 bytes instead of 104) and it ran 2-12% slower.
-    host_desc = HOST_DESCRIPTORS and not varlen and not paged and k.numel() > 0
+    host_desc = (HOST_DESCRIPTORS and not varlen and not paged and k.numel() > 0
+                 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D)
     qd, kd, vd, od = (dense_desc(t) for t in (q, k, v, out)) if host_desc else (q, k, v, out)
     prepare_launch(q)
     launch(
