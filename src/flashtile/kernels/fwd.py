@@ -12,8 +12,9 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits):
              r % page_size of page block_table[b, r // page_size] (kvcache.cache_coords). Any page size works
              because every row is translated on its own; such tiles are gathered with pointer loads, since a tile
              may span pages (a TMA descriptor needs one strided box). Otherwise K/V are read through descriptors.
-  HOST_DESC  dense batches: Q, K, V and O arrive as rank-4 TMA descriptors over the whole (B, S, H, D) tensors,
-             built on the host and passed as kernel parameters (seqlen.load_rows). Varlen batches build a
+  HOST_DESC  dense batches (head dims where it was measured, ops/fwd.py): Q, K, V and O arrive as rank-4 TMA
+             descriptors over the whole (B, S, H, D) tensors, built on the host and passed as kernel parameters
+             (seqlen.load_rows). Varlen batches build a
              descriptor per (sequence, head) on the device instead (seqlen.row_desc), whose shape is where that
              sequence ends. Note [host descriptors] in ops/fwd.py says why dense batches differ.
 

@@ -3,12 +3,13 @@ strides, varlen grids and launch order, the TMA scratch allocator.
 
 Note [eager calls skip the dispatcher]: every kernel entry point is a `torch.library.custom_op` with a fake, which
 is what torch.compile, FakeTensor and the other tracing modes see. A plain eager call does not need the
-dispatcher, and it costs more than the kernels at short lengths: measured on the H200 machine (torch 2.11), the
-host spent 1.6 ms enqueueing one forward+backward through the custom ops and their registered autograd against
-0.37 ms for the same two implementations called directly, so a B=16, S=1k, d128 forward+backward, 0.7 ms of GPU
-work when causal, ran at the host's pace. So `call` runs the implementation directly when nothing traces the call
-(not compiling, every tensor a plain torch.Tensor or Parameter), and the op otherwise; autograd.py does the same
-with a torch.autograd.Function around the two implementations. Both routes run the same function.
+dispatcher, and at short lengths it cost more than the kernels: on the H200 machine (torch 2.11) the host took
+1.1-1.6 ms to enqueue one B=16, S=1k, d128 forward+backward through the custom ops and their registered
+autograd, while the GPU needed ~1.1 ms (causal), so the call ran at the host's pace. So `call` runs the
+implementation directly when nothing traces the call (not compiling, every tensor a plain torch.Tensor or
+Parameter), and the op otherwise; autograd.py does the same with a torch.autograd.Function around the two
+implementations, which enqueues the same forward+backward in 0.85-0.95 ms (tools/host_overhead.py; PERF.md).
+Both routes run the same functions.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..config import CANDIDATES, TileConfig, block_d, tile_config
 from ..kernels.seqlen import MAX_SORT, _schedule_kernel
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
+
 
 def custom_op(name: str, mutates_args=()):
     """`torch.library.custom_op`, keeping the undecorated implementation as the op's `.impl` for `call`."""

@@ -94,7 +94,7 @@ def attention_fwd(
     # here and passed as a kernel parameter, bounds every sequence; a varlen sequence ends where cu_seqlens says,
     # so its descriptors are built per program on the device (a global-memory write and a proxy fence each, a
     # fixed cost that weighs most on short sequences, where each program runs few key blocks). Measured on the
-    # H200 (PERF.md): the dense forward 6-23% faster at S = 1k-4k. The backward keeps device descriptors: with
+    # H200 (PERF.md): the dense forward 4-23% faster at S = 1k-4k. The backward keeps device descriptors: with
     # host ones, the tiles its kernels hold for a whole loop come out of the rank-4 boxes through registers
     # (dK/dV at d128 spilled 360 bytes instead of 104) and it ran 2-12% slower.
     host_desc = (HOST_DESCRIPTORS and not varlen and not paged and k.numel() > 0
