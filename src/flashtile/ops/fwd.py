@@ -96,7 +96,7 @@ def attention_fwd(
     # fixed cost that weighs most on short sequences, where each program runs few key blocks). Measured on the
     # H200 (PERF.md): the dense forward 4-23% faster at S = 1k-4k. The backward keeps device descriptors: with
     # host ones, the tiles its kernels hold for a whole loop come out of the rank-4 boxes through registers
-    # (dK/dV at d128 spilled 360 bytes instead of 104) and it ran 2-12% slower.
+    # (dK/dV at d128 spilled 360 bytes instead of 104) and it ran 6-9% slower where GPU-bound.
     host_desc = (HOST_DESCRIPTORS and not varlen and not paged and k.numel() > 0
                  and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D)
     qd, kd, vd, od = (dense_desc(t) for t in (q, k, v, out)) if host_desc else (q, k, v, out)
