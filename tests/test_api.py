@@ -151,6 +151,18 @@ def test_eager_route_and_custom_op_route_agree(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("route", ["eager", "custom_op"])
+def test_double_backward_raises(device, route):
+    q, k, v = (t.requires_grad_() for t in qkv(device, sq=16, sk=16))
+    if route == "eager":
+        out = flashtile.flash_attn_func(q, k, v)
+    else:
+        out = torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, 16, 16, 0.2, -1, -1, 0.0, 0)[0]
+    (dq,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice" if route == "eager" else ""):
+        torch.autograd.grad(dq.float().sum(), (q, k))
+
+
 def test_tensor_subclasses_take_the_custom_op_route():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

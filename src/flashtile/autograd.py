@@ -57,7 +57,10 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
+        # The kernels are not differentiable themselves: a double backward must raise, as it does through the
+        # custom op, not return gradients that miss their second-order terms.
         return _gradients(ctx, dout, attention_bwd.impl)
 
 
