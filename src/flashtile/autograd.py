@@ -57,10 +57,13 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        # The kernels are not differentiable themselves: a double backward must raise, as it does through the
-        # custom op, not return gradients that miss their second-order terms.
+        # Autograd enables grad mode here only for create_graph=True. The kernels are not differentiable, so
+        # gradients built here would carry no graph and their second-order terms would go missing without a word:
+        # refuse instead, as the custom op route does.
+        if torch.is_grad_enabled():
+            raise RuntimeError("flashtile attention is not twice differentiable: its backward cannot run with "
+                               "create_graph=True")
         return _gradients(ctx, dout, attention_bwd.impl)
 
 
