@@ -165,6 +165,14 @@ def test_double_backward_raises(device, route):
         torch.autograd.grad(dq.float().sum() + (q.float() ** 2).sum(), q)
 
 
+def test_forward_mode_ad_raises(device):
+    """No jvp is implemented: a dual input must raise, not return an output without its tangent."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = qkv(device, sq=16, sk=16)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        flashtile.flash_attn_func(fwAD.make_dual(q, torch.randn_like(q)), k, v)
+
+
 def test_tensor_subclasses_take_the_custom_op_route():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

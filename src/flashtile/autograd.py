@@ -7,6 +7,7 @@ No kernel code and no argument checking here.
 """
 
 import torch
+from torch.autograd import forward_ad
 
 from .ops.bwd import attention_bwd
 from .ops.common import PACK_KV, PACK_QKV, untraced
@@ -70,6 +71,9 @@ class _EagerAttention(torch.autograd.Function):
 def attention(*inputs):
     """(out, lse) of flashtile::fwd's arguments, differentiable in q, k and v."""
     if untraced(inputs):
+        if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in inputs[:3]):
+            raise NotImplementedError("flashtile has no forward-mode AD (jvp): q, k and v must not be dual "
+                                      "tensors (torch.autograd.forward_ad)")
         # autograd.Function.apply is about a fifth of an eager forward's Python time (measured on the CPU): skip
         # it when no gradient can flow (inference, torch.no_grad).
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:3]):
