@@ -278,6 +278,20 @@ def test_page_table_alias():
                                         page_table=block_table)
 
 
+def test_append_bumps_cache_versions():
+    """Appending writes the caches in place; autograd's version counters must say so (as the custom op's
+    dispatch does), or a saved cache changed later would go unnoticed. Decoding without appending writes nothing."""
+    g = torch.Generator().manual_seed(7)
+    q, k_new, v_new = _half(g, 2, 1, 4, 32), _half(g, 2, 1, 2, 32), _half(g, 2, 1, 2, 32)
+    k_cache, v_cache = _half(g, 2, 16, 2, 32), _half(g, 2, 16, 2, 32)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    versions = k_cache._version, v_cache._version
+    kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert (k_cache._version, v_cache._version) == versions
+    kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+
+
 def test_strided_q_and_cache_views():
     """q and the caches as non-contiguous views (heads sliced out of larger tensors) are read in place."""
     gen = torch.Generator().manual_seed(11)

@@ -15,6 +15,7 @@ Both routes run the same functions.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -28,10 +29,12 @@ _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
 
 def custom_op(name: str, mutates_args=()):
-    """`torch.library.custom_op`, keeping the undecorated implementation as the op's `.impl` for `call`."""
+    """`torch.library.custom_op`, keeping the undecorated implementation as the op's `.impl` and the positions of
+    the arguments it writes as `.mutated`, for `call`."""
     def wrap(fn):
         op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
         op.impl = fn
+        op.mutated = tuple(i for i, arg in enumerate(inspect.signature(fn).parameters) if arg in mutates_args)
         return op
     return wrap
 
@@ -46,7 +49,14 @@ def untraced(args) -> bool:
 
 def call(op, *args):
     """op(*args), through the dispatcher only when something may be tracing it."""
-    return op.impl(*args) if untraced(args) else op(*args)
+    if not untraced(args):
+        return op(*args)
+    result = op.impl(*args)
+    # The dispatcher bumps the version counter of every tensor an op writes in place, which is how autograd
+    # notices a tensor it saved being changed; kernels bypass that, so do it here.
+    if op.mutated:
+        torch.autograd.graph.increment_version([args[i] for i in op.mutated])
+    return result
 
 
 # Packing of the custom ops' (q, k, v) arguments, so that packed entry points get one gradient buffer.
