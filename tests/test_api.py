@@ -173,6 +173,16 @@ def test_forward_mode_ad_raises(device):
         flashtile.flash_attn_func(fwAD.make_dual(q, torch.randn_like(q)), k, v)
 
 
+def test_vmap_takes_the_custom_op_route(device):
+    """vmap's batched tensors look like plain tensors from Python; they must reach the custom op (and its batching
+    fallback), not a kernel."""
+    q, k, v = qkv(device, b=1, sq=16, sk=16)
+    qs = torch.stack([q, 2 * q])
+    out = torch.func.vmap(lambda q: flashtile.flash_attn_func(q, k, v))(qs)
+    for i in range(2):
+        assert torch.equal(out[i], flashtile.flash_attn_func(qs[i], k, v))
+
+
 def test_tensor_subclasses_take_the_custom_op_route():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

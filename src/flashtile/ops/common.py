@@ -39,12 +39,19 @@ def custom_op(name: str, mutates_args=()):
     return wrap
 
 
+# torch.func's wrappers (vmap's batched tensors, grad's tracking tensors) look like plain torch.Tensors from
+# Python; this private predicate is the only way to tell them apart, and without it vmap would reach a kernel.
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
 def untraced(args) -> bool:
     """True when a call with these arguments can run an op's implementation directly: eager mode and plain
-    tensors (a tensor subclass, such as FakeTensor or a functorch wrapper, needs the dispatcher). Note [eager
+    tensors (a tensor subclass such as FakeTensor, or a torch.func wrapper, needs the dispatcher). Note [eager
     calls skip the dispatcher]."""
-    return not torch.compiler.is_compiling() and all(
-        type(a) in (torch.Tensor, torch.nn.Parameter) for a in args if isinstance(a, torch.Tensor))
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return (not torch.compiler.is_compiling()
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+            and not (_functorch_wrapped is not None and any(_functorch_wrapped(t) for t in tensors)))
 
 
 def call(op, *args):
