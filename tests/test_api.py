@@ -242,6 +242,21 @@ def test_torch_compile_fullgraph(device, backend):
         assert torch.equal(a, b)
 
 
+def test_torch_compile_dynamic_shapes(device):
+    """dynamic=True makes lengths and float arguments symbolic; the API's checks must not break the graph."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for sq, sk in ((16, 24), (40, 33)):
+        q, k, v = qkv(device, sq=sq, sk=sk)
+        dout = torch.randn_like(q)
+        for a, b in zip(grads(compiled, (q, k, v), dout), grads(f, (q, k, v), dout)):
+            assert torch.equal(a, b)
+
+
 def test_opcheck(device):
     from flashtile.ops.fwd import attention_fwd
     q, k, v = qkv(device, sq=17, sk=23)

@@ -92,12 +92,14 @@ def check_scalar_args(dropout_p: float, softmax_scale, softcap: float, head_dim:
         raise NotImplementedError(
             "dropout_p > 0 is not supported by flashtile yet; pass dropout_p=0.0 (attention dropout has its own "
             "issue). It is never silently ignored.")
-    if softcap is None or softcap < 0.0 or not math.isfinite(softcap):
+    # Comparisons rather than math.isfinite (NaN fails them too): under torch.compile(dynamic=True) these floats
+    # can be symbolic, and math.isfinite would break the graph.
+    if softcap is None or not 0.0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0.0):
+    if not 0.0 < softmax_scale < math.inf:
         raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
     return softmax_scale
 
