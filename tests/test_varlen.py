@@ -179,6 +179,26 @@ def test_seqused(device, mask):
     run_varlen(device, [20, 35, 9, 16], [28, 35, 9, 5], causal=causal, window_size=window, seqused=True, seed=2)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_past_seqused_k_are_never_used(device, causal):
+    """K/V rows past seqused_k[b] may hold anything, NaN included: the output is bitwise the same as with finite
+    values there (a tile that crosses the used length must not let them through, 0 * NaN being NaN)."""
+    g = torch.Generator().manual_seed(23)
+    lens, used = [40, 15], [13, 15]
+    cu = torch.tensor([0, 40, 55], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(55, 2, 32, generator=g).to(device, torch.float16) for _ in range(3))
+    seqused = torch.tensor(used, dtype=torch.int32, device=device)
+
+    def run(k, v):
+        return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=causal, seqused_k=seqused)
+
+    expected = run(k, v)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[used[0]:lens[0]] = float("nan")
+    v_nan[used[0]:lens[0]] = float("nan")
+    assert torch.equal(run(k_nan, v_nan), expected)
+
+
 def test_fully_masked_rows(device):
     """Causal with seqlen_q > seqlen_k: the first rows of a sequence see no key. They output exactly 0 with lse
     +inf and pass no NaN into any gradient."""
