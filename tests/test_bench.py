@@ -11,7 +11,7 @@ import torch
 
 from flashtile.bench import run as bench_run
 from flashtile.bench.backends import BACKENDS, Backend, Prepared, Unsupported
-from flashtile.bench.cases import CPU_SHAPES, GPU_SHAPES, VARLEN_MIX, Case, build_cases, preset_runs
+from flashtile.bench.cases import CPU_SHAPES, DECODE_MIX, GPU_SHAPES, VARLEN_MIX, Case, build_cases, preset_runs
 from flashtile.bench.inputs import make_inputs, paginate
 from flashtile.bench.metrics import forward_flops, kv_bytes, timed_flops, visible_pairs
 from flashtile.bench.refcheck import build_reference, check
@@ -61,6 +61,31 @@ def test_varlen_flops_and_bytes_sum_over_sequences():
     assert timed_flops(both) == 3.5 * 4 * 4 * 64 * (6 + 15 + 28)  # backward 2.5× the same per-sequence pairs
 
 
+def test_mixed_decode_counts_each_cache_length():
+    case = Case("decode", batch=3, seqlen_q=2, seqlen_k=50, nheads=4, nheads_kv=2, headdim=64, causal=True,
+                cache_lengths=(50, 7, 20))
+    assert kv_bytes(case) == 77 * 2 * 64 * 2 * 2
+    assert forward_flops(case) == 4 * 4 * 64 * (99 + 13 + 39)  # causal, bottom-right: n + n - 1 pairs per sequence
+    assert "kv7-50 (77 tok)" in case.label()
+
+
+def test_mixed_decode_inputs_refcheck_and_backends():
+    """Each sequence's cache length reaches the kernel, rows past it are NaN (a read past it fails --refcheck),
+    the reference uses each length, and SDPA, which cannot take per-sequence lengths, says so."""
+    case = _cpu_case("decode", seqlen_q=1, seqlen_k=40, batch=3, cache_lengths=(40, 9, 23))
+    inputs = make_inputs(case, CPU)
+    assert inputs.cache_seqlens.tolist() == [40, 9, 23]
+    assert inputs.k[1, 9:].isnan().all() and not inputs.k[1, :9].isnan().any()
+    reference = build_reference(case, inputs)
+    out = BACKENDS["flashtile"].setup(case, inputs).output()
+    assert check(reference, out).ok
+    wrong = out.clone()
+    wrong[-1] += 0.5  # the reference checks the first and the last sequence
+    assert not check(reference, wrong).ok
+    row = bench_run.run_backend(case, inputs, BACKENDS["sdpa-math"], CPU, None, 10)
+    assert row["status"] == "unsupported: SDPA has no per-sequence cache lengths"
+
+
 def test_decode_bytes_count_k_and_v_of_every_kv_head():
     case = Case("decode", batch=8, seqlen_q=1, seqlen_k=32768, nheads=32, nheads_kv=8, headdim=128,
                 dtype="fp16", page_size=64)
@@ -78,8 +103,13 @@ def test_standard_sweep_is_the_papers_sweep():
 
 
 def test_decode_and_varlen_presets():
-    decode = build_cases(preset_runs("decode"), GPU_SHAPES, "bf16")
-    assert {(c.nheads, c.nheads_kv, c.headdim) for c in decode} == {(32, 8, 128)}
+    cases = build_cases(preset_runs("decode"), GPU_SHAPES, "bf16")
+    assert {(c.nheads, c.nheads_kv, c.headdim) for c in cases} == {(32, 8, 128)}
+    mixed = [c for c in cases if c.cache_lengths]
+    assert [c.page_size for c in mixed] == [0, 256]
+    assert all(c.cache_lengths == DECODE_MIX and c.batch == 16 and c.seqlen_k == max(DECODE_MIX)
+               and c.seqlen_q == 1 for c in mixed)
+    decode = [c for c in cases if not c.cache_lengths]
     assert all(c.batch * c.seqlen_k == 262144 for c in decode)
     assert {c.batch for c in decode} == {64, 32, 16, 8, 4, 2}
     assert {c.page_size for c in decode} == {0, 16, 64, 256} and {c.seqlen_q for c in decode} == {1, 4}

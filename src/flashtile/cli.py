@@ -146,7 +146,11 @@ def select(parser, args, gpu: bool):
     modes = [m for word in args.mode for m in _words(word)] if args.mode else None
     dtype = args.dtype or ("bf16" if gpu else "fp16")
     try:
-        cases = build_cases(preset_runs(preset, modes), _shapes(args, gpu), dtype, args.window, args.softcap)
+        shapes, runs = _shapes(args, gpu), preset_runs(preset, modes)
+        if args.batch is not None or args.seqlen_k is not None:
+            # A mixed decode batch is its list of cache lengths; uniform --batch/--seqlen-k replace it entirely.
+            runs = [(mode, sweep) for mode, sweep in runs if not shapes[sweep].cache_lengths]
+        cases = build_cases(runs, shapes, dtype, args.window, args.softcap)
     except ValueError as e:
         parser.error(str(e))
     return cases, [BACKENDS[n] for n in names]

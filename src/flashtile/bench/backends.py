@@ -134,6 +134,8 @@ def _setup_fa4(case: Case, inputs: Inputs) -> Prepared:
         kw["num_splits"] = 0  # < 1: FA4's split-KV heuristic; its default, 1, leaves most SMs idle in decode
         if case.page_size:
             return _prepare(case, paged, inputs.q, _paged(case, inputs))
+        if case.cache_lengths:
+            raise Unsupported("per-sequence cache lengths wired up only for paged caches (seqused_k)")
         return _prepare(case, dense, inputs.q, inputs.kv)
     if case.varlen:
         return _prepare(case, varlen, inputs.q, inputs.kv, inputs.dout)
@@ -166,6 +168,8 @@ def _sdpa(kernel_name: str):
             raise Unsupported("SDPA has no sliding window or softcap")
         if case.page_size:
             raise Unsupported("SDPA has no paged KV cache")
+        if case.cache_lengths:
+            raise Unsupported("SDPA has no per-sequence cache lengths")
         per_head = sum(n * n for n in case.seqlens) or case.batch * case.seqlen_q * case.seqlen_k
         scores = case.nheads * per_head
         if kernel == SDPBackend.MATH and scores > MATH_MAX_SCORES:
@@ -216,6 +220,8 @@ def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
 
     if case.page_size:
         raise Unsupported("paged KV not wired up for Flex")
+    if case.cache_lengths:
+        raise Unsupported("per-sequence cache lengths not wired up for Flex")
     left, right = case.window_size
     right = 0 if case.causal else right
     offset = case.seqlen_k - case.seqlen_q  # bottom-right alignment

@@ -11,6 +11,9 @@ The GPU sweeps:
   S = 512…16k, causal and not.
 - decode: GQA 32 query / 8 KV heads, d128, one or four query tokens against KV caches of 4k…128k tokens with
   batch × length = 256k tokens (64 × 4k … 2 × 128k), contiguous and paged (16, 64, 256 tokens a page).
+- decode-mixed (in the decode preset): the same heads, 16 sequences whose caches hold 700…64k tokens
+  (DECODE_MIX; capacity the longest), one query token, contiguous and 256-token pages: serving batches are
+  never uniform.
 - varlen (modes varlen, varlenbwd): 16 sequences of 256…4096 tokens, 16k in total, d128, hidden 2048.
 - varlen-baseline (modes fwd, fwdbwd, in the varlen preset): dense, d128, hidden 2048, 16k tokens, S = 1k and
   4k. Issue 4's target is varlen's TFLOP/s as a fraction of dense's at the mix's lengths, so the varlen preset
@@ -39,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Each preset's runs, (mode, sweep), in the order the report lists them.
 PRESETS = {
     "standard": (("fwd", "dense"), ("fwdbwd", "dense")),
-    "decode": (("decode", "decode"),),
+    "decode": (("decode", "decode"), ("decode", "decode-mixed")),
     "varlen": (("varlen", "varlen"), ("fwd", "varlen-baseline"), ("varlenbwd", "varlen"),
                ("fwdbwd", "varlen-baseline")),
     "all": tuple(MODE_SWEEPS.items()),
@@ -47,6 +50,8 @@ PRESETS = {
 
 # A fixed mix, so runs compare: lengths off the tile grid, long and short interleaved (as a packed batch is).
 VARLEN_MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1111, 333, 400, 547)
+# Decode cache lengths of a mixed batch (186k tokens in all), long and short interleaved.
+DECODE_MIX = (65536, 1024, 8192, 3000, 32768, 1500, 16384, 700, 4096, 12000, 2048, 900, 24576, 5000, 6144, 1800)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Case:
     softcap: float = 0.0
     page_size: int = 0  # decode: tokens per KV page; 0 = contiguous cache
     seqlens: tuple[int, ...] = ()  # varlen: per-sequence lengths
+    cache_lengths: tuple[int, ...] = ()  # decode: tokens in each sequence's cache (seqlen_k is the capacity)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -87,6 +93,9 @@ class Case:
         if self.varlen:
             n = self.seqlens
             shape = f"{len(n)} seqs {min(n)}-{max(n)} ({sum(n)} tok)"
+        elif self.mode == "decode" and self.cache_lengths:
+            n = self.cache_lengths
+            shape = f"b{self.batch} q{self.seqlen_q} kv{min(n)}-{max(n)} ({sum(n)} tok)"
         elif self.mode == "decode":
             shape = f"b{self.batch} q{self.seqlen_q} kv{self.seqlen_k}"
         else:
@@ -109,6 +118,7 @@ class Case:
         d = dataclasses.asdict(self)
         d["window_left"], d["window_right"] = d.pop("window_size")
         d["seqlens"] = list(self.seqlens) or None
+        d["cache_lengths"] = list(self.cache_lengths) or None
         return d
 
 
@@ -127,6 +137,7 @@ class Shapes:
     causal: tuple[bool, ...] = (False, True)
     page_size: tuple[int, ...] = (0,)  # decode only
     seqlens: tuple[int, ...] = ()  # varlen only
+    cache_lengths: tuple[int, ...] = ()  # decode only: one sequence per entry, replacing batch and seqlen_k
 
 
 GPU_SHAPES = {
@@ -135,6 +146,8 @@ GPU_SHAPES = {
         head_dim=(128,), seqlen_q=(1, 4), seqlen_k=(4096, 8192, 16384, 32768, 65536, 131072), tokens=262144,
         heads=(32,), kv_heads=(8,), causal=(True,), page_size=(0, 16, 64, 256),
     ),
+    "decode-mixed": Shapes(head_dim=(128,), heads=(32,), kv_heads=(8,), causal=(True,), page_size=(0, 256),
+                           cache_lengths=DECODE_MIX),
     "varlen": Shapes(head_dim=(128,), seqlens=VARLEN_MIX),
     "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 4096)),
 }
@@ -145,6 +158,8 @@ CPU_SHAPES = {
         head_dim=(64,), seqlen_k=(256,), batch=(2,), heads=(4,), kv_heads=(2,), causal=(True,),
         page_size=(0, 16),
     ),
+    "decode-mixed": Shapes(head_dim=(64,), heads=(4,), kv_heads=(2,), causal=(True,), page_size=(0, 16),
+                           cache_lengths=(200, 7, 64)),
     "varlen": Shapes(head_dim=(64,), seqlens=(64, 17, 113), heads=(2,)),
     "varlen-baseline": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,)),
 }
@@ -174,6 +189,7 @@ def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1
     for mode, sweep in runs:
         s = shapes[sweep]
         seqlens = s.seqlens if mode in VARLEN_MODES else ()
+        lengths = s.cache_lengths if mode == "decode" else ()
         seqlen_q = (max(seqlens),) if seqlens else s.seqlen_q
         pages = s.page_size if mode == "decode" else (0,)
         axes = itertools.product(
@@ -182,8 +198,9 @@ def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1
         )
         for d, causal, sq, page, sk, b, h, hk in axes:
             sk = sq if seqlens or sk is None else sk
+            sk = max(lengths) if lengths else sk
             h = h or max(1, s.hidden // d)
-            b = len(seqlens) if seqlens else b or max(1, s.tokens // (sk if mode == "decode" else sq))
+            b = len(seqlens or lengths) or b or max(1, s.tokens // (sk if mode == "decode" else sq))
             cases.append(Case(mode, b, sq, sk, h, hk or h, d, dtype, causal, tuple(window_size), softcap,
-                              page, seqlens))
+                              page, seqlens, lengths))
     return cases

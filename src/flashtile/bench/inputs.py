@@ -69,10 +69,15 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     q = randn(case.batch, case.seqlen_q, h, d)
     kv_shape = (case.batch, case.seqlen_k, hk, d)
     kv = [(randn(*kv_shape), randn(*kv_shape)) for _ in range(kv_copies(case, device))]
+    for b, n in enumerate(case.cache_lengths):  # mixed decode: a read past a cache's length shows as NaN
+        for k, v in kv:
+            k[b, n:] = float("nan")
+            v[b, n:] = float("nan")
     dout = randn(*q.shape) if case.backward else None
     cache_seqlens = None
     if case.mode == "decode":
-        cache_seqlens = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device=device)
+        lengths = case.cache_lengths or (case.seqlen_k,) * case.batch
+        cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     return Inputs(q, kv, dout, cache_seqlens=cache_seqlens)
 
 

@@ -39,6 +39,8 @@ def forward_flops(case: Case) -> int:
     """FLOPs of one forward pass; varlen sums over its sequences."""
     if case.seqlens:
         pairs = sum(visible_pairs(n, n, case.causal, case.window_size) for n in case.seqlens)
+    elif case.cache_lengths:
+        pairs = sum(visible_pairs(case.seqlen_q, n, case.causal, case.window_size) for n in case.cache_lengths)
     else:
         pairs = case.batch * visible_pairs(case.seqlen_q, case.seqlen_k, case.causal, case.window_size)
     return 4 * case.nheads * case.headdim * pairs
@@ -51,5 +53,5 @@ def timed_flops(case: Case) -> float:
 
 def kv_bytes(case: Case) -> int:
     """Bytes of K and V a forward pass must read; the decode bandwidth numerator."""
-    kv_tokens = sum(case.seqlens) if case.seqlens else case.batch * case.seqlen_k
+    kv_tokens = sum(case.seqlens or case.cache_lengths) or case.batch * case.seqlen_k
     return kv_tokens * case.nheads_kv * case.headdim * 2 * DTYPES[case.dtype].itemsize

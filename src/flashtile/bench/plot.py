@@ -44,6 +44,8 @@ def _panel(r: dict) -> tuple[tuple, int, str, str]:
 
 
 def _group(r: dict) -> str:
+    if r["mode"] == "decode" and r.get("cache_lengths"):
+        return f"{r['batch']} mixed, {_short(sum(r['cache_lengths']))} tok"
     if r["mode"] == "decode":
         return f"{r['batch']}×{_short(r['seqlen_k'])}"
     if r["mode"] in VARLEN_MODES:

@@ -51,6 +51,7 @@ def _slices(case: Case):
         batches, kv_heads = sorted(batches), sorted(kv_heads)
         q_heads = [h for j in kv_heads for h in range(j * group, (j + 1) * group)]
         per_head = (sum(case.seqlens[b] ** 2 for b in batches) if case.seqlens
+                    else case.seqlen_q * sum(case.cache_lengths[b] for b in batches) if case.cache_lengths
                     else len(batches) * case.seqlen_q * case.seqlen_k)
         if per_head * len(q_heads) <= REF_MAX_SCORES:
             return batches, q_heads, kv_heads
@@ -76,15 +77,20 @@ def build_reference(case: Case, inputs: Inputs) -> Reference | None:
     kw = {"causal": case.causal, "window_size": case.window_size, "softcap": case.softcap}
     q_idx = torch.tensor(q_heads, device=inputs.q.device)
     kv_idx = torch.tensor(kv_heads, device=inputs.q.device)
+    keys = [None] * len(batches)  # how many cached keys each selection sees; None: all
     if case.seqlens:
         cu = inputs.cu_seqlens.tolist()
         selects = [_sequence(slice(cu[b], cu[b + 1])) for b in batches]
+    elif case.cache_lengths:  # mixed decode: each sequence against its own cache length
+        selects = [_batches(torch.tensor([b], device=inputs.q.device)) for b in batches]
+        keys = [case.cache_lengths[b] for b in batches]
     else:
         selects = [_batches(torch.tensor(batches, device=inputs.q.device))]
+        keys = keys[:1]
     parts, base_err, atol = [], 0.0, 0.0
-    for select in selects:
+    for select, n in zip(selects, keys):
         q = select(inputs.q)[:, :, q_idx]
-        k, v = select(inputs.k)[:, :, kv_idx], select(inputs.v)[:, :, kv_idx]
+        k, v = select(inputs.k)[:, :n, kv_idx], select(inputs.v)[:, :n, kv_idx]
         ref, _ = attention_ref(q.double(), k.double(), v.double(), **kw)
         low, _ = attention_ref(q, k, v, upcast=False, **kw)
         base_err = max(base_err, (low.double() - ref).abs().max().item())
