@@ -3,9 +3,10 @@
 
 This module checks every argument once, with errors that name it, normalises the rest (an int cache_seqlens
 becomes a tensor, causal becomes a window) and calls the custom ops of ops/decode.py (in eager mode their
-implementations directly: ops/common.py): `append_kv` when new k/v are given, then `decode`. Checks that need the values of device tensors (block-table entries in range,
-cache_seqlens within capacity, ...) synchronise the device, so they run only with `FLASHTILE_CHECK=1`
-(env.debug_checks); the default path never synchronises and can be captured in a CUDA graph. No backward.
+implementations directly: ops/common.py): `append_kv` when new k/v are given, then `decode`. Checks that need
+the values of device tensors (block-table entries in range, cache_seqlens within capacity, ...) synchronise the
+device, so they run only with `FLASHTILE_CHECK=1` (env.debug_checks); the default path never synchronises and
+can be captured in a CUDA graph. No backward.
 """
 
 from __future__ import annotations

@@ -36,11 +36,11 @@ _SCALED = "d128's measured tile scaled to the same K/V bytes per stage, not meas
 
 # Padded head dim -> decode tile config. block_m is the most packed query rows (GQA group x tokens) per tile: a
 # decode step packs fewer, and the launcher shrinks BLOCK_M to the next power of two >= 16 of what it packs.
-# Decode streams K/V, so what matters is bytes in flight per SM and every program resident at once: a 16 KB K+V
-# stage (32 rows at d128) with 3 stages keeps a program near 50 KB of shared memory, so the PROGRAMS_PER_SM
-# programs of the split heuristic all fit on an SM in one wave. Measured at d128: 64-row tiles (twice the bytes,
-# two programs per SM, two waves) read 3.6 / 2.8 / 3.4 TB/s on 2 x 128k tokens (contiguous / 16-token pages /
-# 256-token pages) against 4.1 / 3.9 / 4.1 with 32 rows.
+# Decode streams K/V: the tile sets the bytes each load moves and, through shared memory, how many programs an
+# SM holds (d128: a 16 KB K+V stage at 32 rows, ~38 KB of shared memory per program for one token's GQA group).
+# Measured at d128 (tools/tune_decode.py, PERF.md): 32-row tiles read 4.07 / 3.93 / 4.08 TB/s on 2 x 128k tokens
+# (contiguous / 16-token pages / 256-token pages) against 3.61 / 2.82 / 3.41 with 64 rows, and won 6 of 9
+# corners; they lost on 8 x 32k paged (3.04 / 2.94 against 3.24 / 3.78).
 DECODE_TABLE: dict[int, TileConfig] = {
     16: TileConfig(64, 128, 4, 3, _GUESS),
     32: TileConfig(64, 128, 4, 3, _GUESS),
