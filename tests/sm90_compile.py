@@ -33,7 +33,8 @@ FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
                 "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
-# The dense forward takes host-built TMA descriptors (ops/fwd.py: Note [host descriptors]): argument -> box rows.
+# The forward takes host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
+# Note [host descriptors]): argument -> box rows.
 HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
             "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
@@ -50,9 +51,9 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
         elif name in OPTIONAL and OPTIONAL[name] in fn.arg_names and not constexprs.get(OPTIONAL[name], False):
             signature[name] = "constexpr"
             consts[name] = None
-        elif name in HOST_DESCS and constexprs.get("HOST_DESC"):
-            rows = constexprs[HOST_DESCS[name]]
-            signature[name] = f"tensordesc<{dtype}[1,{rows},1,{constexprs['BLOCK_D']}]>"
+        elif name in HOST_DESCS and constexprs.get("DESC", 0) != 0 and (name != "O" or constexprs["DESC"] == 1):
+            rows, d = constexprs[HOST_DESCS[name]], constexprs["BLOCK_D"]
+            signature[name] = f"tensordesc<{dtype}[{'1,' if constexprs['DESC'] == 1 else ''}{rows},1,{d}]>"
         elif name.isupper():
             elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
             signature[name] = "*" + elem
@@ -68,13 +69,13 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 FLAG_SETS = {
-    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, HOST_DESC=True,
+    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
                   MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
                   DOT_PRECISION="tf32"),
-    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, HOST_DESC=False,
+    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
                 DOT_PRECISION="tf32"),
-    "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, HOST_DESC=False,
+    "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, DESC=0,
                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
                   DOT_PRECISION="tf32"),
 }
@@ -102,8 +103,8 @@ def main(argv):
             if flags["PAGED"] and "PAGED" not in fn.arg_names:
                 continue
             flags = {name: value for name, value in flags.items() if name in fn.arg_names}
-            if flags.get("HOST_DESC") and d > HOST_DESCRIPTOR_MAX_D:
-                flags["HOST_DESC"] = False  # what the launcher passes for such head dims (ops/fwd.py)
+            if flags.get("DESC") and d > HOST_DESCRIPTOR_MAX_D:
+                flags["DESC"] = 0  # what the launcher passes for such head dims (ops/fwd.py)
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
             c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages)
             ptx = c.asm["ptx"]

@@ -12,11 +12,13 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits):
              r % page_size of page block_table[b, r // page_size] (kvcache.cache_coords). Any page size works
              because every row is translated on its own; such tiles are gathered with pointer loads, since a tile
              may span pages (a TMA descriptor needs one strided box). Otherwise K/V are read through descriptors.
-  HOST_DESC  dense batches (head dims where it was measured, ops/fwd.py): Q, K, V and O arrive as rank-4 TMA
-             descriptors over the whole (B, S, H, D) tensors, built on the host and passed as kernel parameters
-             (seqlen.load_rows). Varlen batches build a
-             descriptor per (sequence, head) on the device instead (seqlen.row_desc), whose shape is where that
-             sequence ends. Note [host descriptors] in ops/fwd.py says why dense batches differ.
+  DESC       where Q, K, V (and O) come from (seqlen.load_rows; ops/fwd.py, Note [host descriptors]):
+             DESC_DENSE, host-built rank-4 descriptors over the whole (B, S, H, D) tensors, passed as kernel
+             parameters; DESC_PACKED, host-built rank-3 ones over varlen (total, H, D) tensors, whose boxes can
+             cross into the next sequence: that is harmless for Q (those rows are never stored) and for K (their
+             scores are masked), V's rows past seqlen_k are zeroed in the masked blocks, and O is stored through a
+             per-sequence row_desc; DESC_ROW, descriptors built on the device per (sequence, head), for what
+             the host paths do not cover.
 
 Writes O once and the log-sum-exp in natural-log units (B, H, Sq) or (H, total_q); never materialises the
 Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shapes (reads past them are zeros and
@@ -34,13 +36,13 @@ import triton.language as tl
 
 from .kvcache import cache_coords
 from .masking import LOG2E, apply_mask, kv_block_range, logits
-from .seqlen import load_rows, row_desc, seq_info, store_rows, tile_coords
+from .seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW, load_rows, row_desc, seq_info, store_rows, tile_coords
 from .softmax import finalize, online_softmax_step
 
 
 @triton.jit
-def _load_kv(src, start_n, b, hk, page, off, stride_page, stride_row, row_ok, d,
-             PAGED: tl.constexpr, HOST_DESC: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _load_kv(src, start, start_n, b, hk, page, off, stride_page, stride_row, row_ok, d,
+             PAGED: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The (BLOCK_N, BLOCK_D) tile of K or V at key rows start_n + [0, BLOCK_N) of sequence b, KV head hk.
 
@@ -56,16 +58,16 @@ def _load_kv(src, start_n, b, hk, page, off, stride_page, stride_row, row_ok, d,
         else:
             tile = tl.load(ptrs)
     else:
-        tile = load_rows(src, start_n, b, hk, HOST_DESC, BLOCK_N, BLOCK_D)
+        tile = load_rows(src, start, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
     return tile
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-               b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages, stride_kb, stride_kn, stride_vb, stride_vn,
+               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages, stride_kb, stride_kn, stride_vb, stride_vn,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               PAGED: tl.constexpr, HOST_DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               PAGED: tl.constexpr, DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
@@ -78,8 +80,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
             page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, num_pages, row_ok, PAGED)
         else:
             page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
-        k = _load_kv(k_src, start_n, b, hk, page, off, stride_kb, stride_kn, row_ok, d,
-                     PAGED, HOST_DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
+        k = _load_kv(k_src, k_start, start_n, b, hk, page, off, stride_kb, stride_kn, row_ok, d,
+                     PAGED, DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
         j = r[None, :]
@@ -95,8 +97,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
         if MASKED:
             s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
         p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
-        v = _load_kv(v_src, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, d,
-                     PAGED, HOST_DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v = _load_kv(v_src, k_start, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, d,
+                     PAGED, DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if MASKED and DESC == DESC_PACKED:
+            v = tl.where(row_ok[:, None], v, 0.0)  # the next sequence's rows: p is 0 there, but 0 * inf is not
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -115,7 +119,7 @@ def _attn_fwd_kernel(
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    PAGED: tl.constexpr, HOST_DESC: tl.constexpr,
+    PAGED: tl.constexpr, DESC: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -134,9 +138,7 @@ def _attn_fwd_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    if HOST_DESC:
-        q_src, o_src, k_src, v_src = Q, O, K, V
-    else:
+    if DESC == DESC_ROW:
         q_src = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                          seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
         o_src = row_desc(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
@@ -149,6 +151,13 @@ def _attn_fwd_kernel(
                              seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
             v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
                              seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    else:
+        q_src, k_src, v_src = Q, K, V
+        if DESC == DESC_DENSE:
+            o_src = O
+        else:
+            o_src = row_desc(O + q_start * stride_om + h64 * stride_oh, seqlen_q, stride_om, BLOCK_M, HEAD_DIM,
+                             BLOCK_D)
     diag = seqlen_k - seqlen_q
     offs_m = m_start + tl.arange(0, BLOCK_M)
     i = offs_m[:, None]
@@ -156,7 +165,7 @@ def _attn_fwd_kernel(
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
 
-    q = load_rows(q_src, m_start, b, h, HOST_DESC, BLOCK_M, BLOCK_D)
+    q = load_rows(q_src, q_start, m_start, b, h, DESC, BLOCK_M, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -168,23 +177,23 @@ def _attn_fwd_kernel(
     # Left edge of a sliding window, mask-free interior, then the diagonal / right edge / ragged last block.
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, full_lo,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                               b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+                               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, HOST_DESC, MASK_LEFT, MASK_RIGHT,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_lo, full_hi,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                               b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+                               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, HOST_DESC, MASK_LEFT, MASK_RIGHT,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_hi, hi,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                               b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+                               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, HOST_DESC, MASK_LEFT, MASK_RIGHT,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     out, lse = finalize(acc, l_i, m_i)
-    store_rows(o_src, m_start, b, h, out, HOST_DESC)
+    store_rows(o_src, m_start, b, h, out, DESC_ROW if DESC == DESC_PACKED else DESC)
     tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)

@@ -44,25 +44,34 @@ def row_desc(base, length, stride_m, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.cons
                                      block_shape=[BLOCK_ROWS, BLOCK_D])
 
 
+# Where load_rows/store_rows find a tile (the DESC constexpr of the kernels that use them):
+DESC_ROW = tl.constexpr(0)  # a row_desc built on the device per (sequence, head); rows relative to its start
+DESC_DENSE = tl.constexpr(1)  # a host-built rank-4 descriptor over a dense (B, S, H, D) tensor
+DESC_PACKED = tl.constexpr(2)  # a host-built rank-3 descriptor over a packed (total, H, D) tensor
+
+
 @triton.jit
-def load_rows(src, row, b, h, FULL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The (BLOCK_ROWS, BLOCK_D) tile at rows [row, row + BLOCK_ROWS) of sequence b, head h. `src` is a `row_desc`
-    (b and h are baked into its base), or with FULL a host-built rank-4 descriptor over the whole dense
-    (B, S, H, D) tensor, read in (1, BLOCK_ROWS, 1, BLOCK_D) boxes. Either way rows past the sequence and
-    columns past HEAD_DIM read as zeros."""
-    if FULL:
+def load_rows(src, start, row, b, h, DESC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (BLOCK_ROWS, BLOCK_D) tile at rows [row, row + BLOCK_ROWS) of sequence b (first row `start` in a packed
+    tensor), head h, through a descriptor of kind DESC, read in boxes of BLOCK_ROWS rows of one head. Columns
+    past HEAD_DIM read as zeros, and so do rows past the sequence for DESC_ROW and DESC_DENSE; a DESC_PACKED box
+    that crosses the sequence's end reads the next sequence's rows (zeros only past the packed total)."""
+    if DESC == DESC_DENSE:
         tile = src.load([b, row, h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    elif DESC == DESC_PACKED:
+        tile = src.load([(start + row).to(tl.int32), h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
     else:
         tile = src.load([row, 0])
     return tile
 
 
 @triton.jit
-def store_rows(dst, row, b, h, tile, FULL: tl.constexpr):
-    """Write `tile`, in the descriptor's dtype, where `load_rows` reads it; rows past the sequence and columns
-    past HEAD_DIM are dropped."""
+def store_rows(dst, row, b, h, tile, DESC: tl.constexpr):
+    """Write `tile`, in the descriptor's dtype, where `load_rows` reads it (DESC_ROW or DESC_DENSE, whose boxes
+    drop the rows past the sequence and the columns past HEAD_DIM)."""
+    tl.static_assert(DESC != DESC_PACKED, "a packed box can cross into the next sequence: store through a row_desc")
     tile = tile.to(dst.dtype)
-    if FULL:
+    if DESC == DESC_DENSE:
         dst.store([b, row, h, 0], tile.reshape(1, tile.shape[0], 1, tile.shape[1]))
     else:
         dst.store([row, 0], tile)

@@ -90,26 +90,29 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def dense_desc(t: torch.Tensor) -> TensorDescriptor:
-    """A rank-4 TMA descriptor over a dense (B, S, H, D) tensor (tma_ready), for seqlen.load_rows/store_rows. Its
-    block shape (1, rows, 1, BLOCK_D) depends on the tile config: `descriptor_blocks` sets it at launch."""
+def host_desc(t: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over a dense (B, S, H, D) or packed (total, H, D) tensor (tma_ready), for
+    seqlen.load_rows/store_rows. Its block shape, one head's (rows, BLOCK_D) box, depends on the tile config:
+    `descriptor_blocks` sets it at launch."""
     strides = list(t.stride())
     # A dimension of size 1 is never stepped along, but TMA wants every stride 16-byte aligned: give it the
     # stride it would have in a contiguous tensor.
-    for i in (2, 1, 0):
+    for i in reversed(range(t.dim() - 1)):
         if t.shape[i] == 1:
             strides[i] = strides[i + 1] * t.shape[i + 1]
-    return TensorDescriptor(t, list(t.shape), strides, [1, 16, 1, 16])
+    return TensorDescriptor(t, list(t.shape), strides, [1] * (t.dim() - 1) + [16])
 
 
 def descriptor_blocks(rows: dict):
     """A launch pre-hook: set the block shape of each host descriptor argument named in `rows` (argument name ->
     the tile-config constexpr giving its rows), so that the boxes follow the config an autotuner or the table
-    picks."""
+    picks: (1, rows, 1, BLOCK_D) over (B, S, H, D), (rows, 1, BLOCK_D) over (total, H, D)."""
     def hook(nargs):
         for name, block in rows.items():
-            if isinstance(nargs[name], TensorDescriptor):
-                nargs[name].block_shape = [1, nargs[block], 1, nargs["BLOCK_D"]]
+            desc = nargs[name]
+            if isinstance(desc, TensorDescriptor):
+                box = [nargs[block], 1, nargs["BLOCK_D"]]
+                desc.block_shape = [1] + box if len(desc.shape) == 4 else box
     return hook
 
 

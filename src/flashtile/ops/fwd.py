@@ -17,8 +17,9 @@ import torch
 
 from ..config import block_d
 from ..kernels.fwd import _attn_fwd_kernel
+from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, custom_op, dense_desc, descriptor_blocks, head_dims, launch,
+from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, head_dims, host_desc, launch,
                      prepare_launch, schedule, tile_grid, tma_ready, unpack)
 
 
@@ -91,15 +92,22 @@ def attention_fwd(
     kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
     stride_btb, page_size, num_pages = (block_table.stride(0), k.shape[1], k.shape[0]) if paged else (0, 1, batch)
     # Note [host descriptors]: a dense batch's sequences all end at row S, so one descriptor per tensor, built
-    # here and passed as a kernel parameter, bounds every sequence; a varlen sequence ends where cu_seqlens says,
-    # so its descriptors are built per program on the device (a global-memory write and a proxy fence each, a
-    # fixed cost that weighs most on short sequences, where each program runs few key blocks). Measured on the
+    # here and passed as a kernel parameter, bounds every sequence, in place of descriptors built per program on
+    # the device (a global-memory write and a proxy fence each, a fixed cost that weighs most on short sequences,
+    # where each program runs few key blocks). A packed varlen batch gets host descriptors over (total, H, D) for
+    # Q, K and V, whose boxes may cross into the next sequence (kernels/fwd.py: DESC says why that is safe), and
+    # keeps a per-sequence one for O. (Experiment, not yet timed: branch exp/varlen-host-desc.) Measured on the
     # H200 (PERF.md): the dense forward 4-23% faster at S = 1k-4k. The backward keeps device descriptors: with
     # host ones, the tiles its kernels hold for a whole loop come out of the rank-4 boxes through registers
     # (dK/dV at d128 spilled 360 bytes instead of 104) and it ran 6-9% slower where GPU-bound.
-    host_desc = (HOST_DESCRIPTORS and not varlen and not paged and k.numel() > 0
-                 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D)
-    qd, kd, vd, od = (dense_desc(t) for t in (q, k, v, out)) if host_desc else (q, k, v, out)
+    host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
+    desc = (DESC_PACKED if varlen else DESC_DENSE) if host else DESC_ROW
+    if desc == DESC_ROW:
+        qd, kd, vd, od = q, k, v, out
+    else:
+        qd, kd, vd = (host_desc(t) for t in (q, k, v))
+        # A packed batch's O is stored through per-sequence descriptors (kernels/fwd.py: DESC).
+        od = host_desc(out) if desc == DESC_DENSE else out
     prepare_launch(q)
     launch(
         _attn_fwd_kernel, "fwd", head_dim,
@@ -108,7 +116,7 @@ def attention_fwd(
         *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
         *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
         seqlen_q, seqlen_k, batch, page_size, num_pages, qk_scale, softcap2, window_left, window_right,
-        GROUP=nheads // nheads_kv, PAGED=paged, HOST_DESC=host_desc, **head_dims(head_dim), **flags,
+        GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, **head_dims(head_dim), **flags,
         pre_hook=_FWD_BLOCKS,
     )
     return out, lse
