@@ -119,10 +119,10 @@ def test_decode_and_varlen_presets():
     assert sum(VARLEN_MIX) == 16384 and len(VARLEN_MIX) == 16
     assert min(VARLEN_MIX) == 256 and max(VARLEN_MIX) == 4096
     assert all(c.batch == 16 and c.seqlen_q == 4096 and c.seqlens == VARLEN_MIX for c in varlen)
-    # The dense baseline issue 4 compares varlen with, in the same run: S = 1k and 4k at the same width.
+    # The dense baseline issue 4 compares varlen with, in the same run: S = 1k, 2k and 4k at the same width.
     dense = [c for c in cases if not c.varlen]
-    assert {c.mode for c in dense} == {"fwd", "fwdbwd"} and len(dense) == 2 * 2 * 2
-    assert {(c.batch, c.seqlen_q, c.nheads, c.headdim) for c in dense} == {(16, 1024, 16, 128),
+    assert {c.mode for c in dense} == {"fwd", "fwdbwd"} and len(dense) == 2 * 3 * 2
+    assert {(c.batch, c.seqlen_q, c.nheads, c.headdim) for c in dense} == {(16, 1024, 16, 128), (8, 2048, 16, 128),
                                                                          (4, 4096, 16, 128)}
     assert {c.nheads * c.headdim for c in cases} == {2048} and {c.causal for c in cases} == {False, True}
 

@@ -4,7 +4,11 @@ Knobs: the d128 decode tile (BLOCK_N, warps, stages), PAGED_EXTRA_STAGES and PRO
 heuristic). Cases: the decode preset's corners (GQA 32/8, d128, Sq=1, 256k cached tokens as 2 x 128k, 8 x 32k and
 64 x 4k), contiguous and paged. Prints K/V read bandwidth (TB/s) per knob setting and case, and writes JSON.
 
-Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH]
+With --splits: the number of KV splits swept at the table's tile, for batches 2..64 of 256k cached tokens; each
+row shows the programs launched per resident slot (4 per SM at d128: registers) next to the bandwidth, which is how
+wave quantisation shows (a launch of 1.03 waves runs its last 3% on few SMs).
+
+Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH] [--splits]
 """
 
 import argparse
@@ -33,11 +37,12 @@ def _inputs(batch, seqlen, page_size, hk=8, h=32, d=128):
     return (q, k.view(pages, page_size, hk, d), v.view(pages, page_size, hk, d), seqlens, table)
 
 
-def _tbps(batch, seqlen, page_size):
-    q, k, v, seqlens, table = _inputs(batch, seqlen, page_size)
+def _tbps(batch, seqlen, page_size, num_splits=0, inputs=None):
+    q, k, v, seqlens, table = inputs or _inputs(batch, seqlen, page_size)
 
     def run():
-        flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, causal=True)
+        flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
+                                          num_splits=num_splits)
 
     run()
     torch.cuda.synchronize()
@@ -45,10 +50,41 @@ def _tbps(batch, seqlen, page_size):
     return 2 * k.numel() * k.element_size() / ms / 1e9
 
 
+SPLIT_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)
+
+
+def sweep_splits(json_path):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    slots = decode_ops.PROGRAMS_PER_SM * sms
+    rows = []
+    for batch in (2, 4, 8, 16, 32, 64):
+        seqlen = 262144 // batch
+        units = batch * 8
+        auto = decode_ops.auto_num_splits(units, seqlen // decode_ops.DECODE_TABLE[128].block_n, sms)
+        for page in (0, 16, 256):
+            inputs = _inputs(batch, seqlen, page)
+            line = []
+            for splits in sorted({auto, *SPLIT_CANDIDATES}):
+                if units * splits > 4 * slots:
+                    continue
+                tbps = _tbps(batch, seqlen, page, splits, inputs)
+                rows.append(dict(batch=batch, seqlen=seqlen, page_size=page, splits=splits, auto=auto,
+                                 waves=units * splits / slots, tbps=tbps))
+                line.append(f"{splits}{'*' if splits == auto else ''}:{tbps:.2f}({units * splits / slots:.2f})")
+            del inputs
+            print(f"b{batch:<3d} p{page:<4d} " + " ".join(line), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), slots=slots, rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--splits", action="store_true")
     args = ap.parse_args()
+    if args.splits:
+        return sweep_splits(args.json)
     base = decode_ops.DECODE_TABLE[128]
     settings = [("table", {}, {})]
     for bn in (32, 128):

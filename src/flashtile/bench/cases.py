@@ -149,7 +149,7 @@ GPU_SHAPES = {
     "decode-mixed": Shapes(head_dim=(128,), heads=(32,), kv_heads=(8,), causal=(True,), page_size=(0, 256),
                            cache_lengths=DECODE_MIX),
     "varlen": Shapes(head_dim=(128,), seqlens=VARLEN_MIX),
-    "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 4096)),
+    "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 2048, 4096)),
 }
 # Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU.
 CPU_SHAPES = {

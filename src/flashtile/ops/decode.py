@@ -40,7 +40,8 @@ _SCALED = "d128's measured tile scaled to the same K/V bytes per stage, not meas
 # SM holds (d128: a 16 KB K+V stage at 32 rows, ~38 KB of shared memory per program for one token's GQA group).
 # Measured at d128 (tools/tune_decode.py, PERF.md): 32-row tiles read 4.07 / 3.93 / 4.08 TB/s on 2 x 128k tokens
 # (contiguous / 16-token pages / 256-token pages) against 3.61 / 2.82 / 3.41 with 64 rows, and won 6 of 9
-# corners; they lost on 8 x 32k paged (3.04 / 2.94 against 3.24 / 3.78).
+# corners; they lost on 8 x 32k paged (3.04 / 2.94 against 3.24 / 3.78), a case then launched in 1.09 waves
+# (see the split heuristic below).
 DECODE_TABLE: dict[int, TileConfig] = {
     16: TileConfig(64, 128, 4, 3, _GUESS),
     32: TileConfig(64, 128, 4, 3, _GUESS),
@@ -56,9 +57,14 @@ SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append: one pass, nothi
 COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits ahead in flight (combine.py)
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
-# Split heuristic (num_splits=0), an initial guess: aim for PROGRAMS_PER_SM programs per SM so that enough K/V
-# loads are in flight, give every split at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and cap the
-# partial buffers at MAX_SPLITS.
+# Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
+# once (d128: 124-128 registers a thread at 4 warps, so 4 by the register file, 38 KB of shared memory each; pages
+# smaller than a tile take 149 registers, 3 programs, and still measured best at this count), and the launch is
+# given as many splits as fit in that one wave, rounded down. Rounding up was the session-2 rule, and the wave it
+# spilled into cost up to 25% paged: a launch of 1.03-1.45 waves runs its last programs on a few SMs, each reading
+# at one program's latency-bound rate (tools/tune_decode.py --splits, 256k cached tokens, Sq=1: at 0.97-1.00 wave
+# 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at 1.03-1.45 waves 2.89-3.67 paged; PERF.md). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and the partial
+# buffers are capped at MAX_SPLITS. Head dims other than 128 use the same occupancy, not measured.
 PROGRAMS_PER_SM = 4
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
@@ -87,10 +93,8 @@ def sm_count(device: torch.device) -> int:
 def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int) -> int:
     """Splits per (sequence, KV head, M tile) from shapes only: work_units = B * Hk * M tiles and max_kv_blocks is
     the cache capacity in BLOCK_N blocks (never the current lengths, which live on the device)."""
-    target = PROGRAMS_PER_SM * sms
-    if work_units >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, work_units), max_kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    wave = PROGRAMS_PER_SM * sms
+    return max(1, min(wave // work_units, max_kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
 def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, int]:
