@@ -38,11 +38,13 @@ def test_flags_replace_single_axes():
 
 def test_varlen_preset_runs_its_dense_baseline_too():
     cases, _ = select(["--preset", "varlen", "--no-causal"])
-    assert [(c.mode, c.seqlen_q) for c in cases] == [("varlen", 4096), ("fwd", 1024), ("fwd", 4096),
-                                                     ("varlenbwd", 4096), ("fwdbwd", 1024), ("fwdbwd", 4096)]
+    assert [(c.mode, c.seqlen_q) for c in cases] == [("varlen", 4096), ("fwd", 1024), ("fwd", 2048), ("fwd", 4096),
+                                                     ("varlenbwd", 4096), ("fwdbwd", 1024), ("fwdbwd", 2048),
+                                                     ("fwdbwd", 4096)]
     # --mode keeps the preset's shapes for the modes it has, and a mode's own sweep otherwise.
     cases, _ = select(["--preset", "varlen", "--mode", "fwdbwd"])
-    assert {(c.mode, c.batch, c.seqlen_q) for c in cases} == {("fwdbwd", 16, 1024), ("fwdbwd", 4, 4096)}
+    assert {(c.mode, c.batch, c.seqlen_q) for c in cases} == {("fwdbwd", 16, 1024), ("fwdbwd", 8, 2048),
+                                                              ("fwdbwd", 4, 4096)}
     cases, _ = select(["--mode", "varlenbwd", "--seqlens", "100,28", "--head-dim", "64"])
     assert [(c.mode, c.seqlens, c.nheads) for c in cases] == [("varlenbwd", (100, 28), 32)] * 2
 

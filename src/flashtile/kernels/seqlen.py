@@ -78,6 +78,30 @@ def store_rows(dst, row, b, h, tile, DESC: tl.constexpr):
 
 
 @triton.jit
+def load_once(base, row, length, stride_m, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """The (BLOCK_ROWS, BLOCK_D) tile at rows [row, row + BLOCK_ROWS) of one (sequence, head) starting at `base`,
+    with pointer loads: rows past `length` and columns past HEAD_DIM read as zeros, as a descriptor gives them.
+    For tiles a program reads once and holds in registers (the backward's K/V or Q/dO), where building a
+    descriptor on the device would cost more than the load."""
+    rows = row + tl.arange(0, BLOCK_ROWS)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_m + d
+    if HEAD_DIM < BLOCK_D:
+        return tl.load(ptrs, mask=(rows < length)[:, None] & (d < HEAD_DIM), other=0.0)
+    return tl.load(ptrs, mask=(rows < length)[:, None], other=0.0)
+
+
+@triton.jit
+def store_once(base, row, length, stride_m, tile, HEAD_DIM: tl.constexpr):
+    """Write `tile` where `load_once` reads it, dropping rows past `length` and columns past HEAD_DIM."""
+    rows = row + tl.arange(0, tile.shape[0])
+    d = tl.arange(0, tile.shape[1])[None, :]
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_m + d
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows < length)[:, None] & (d < HEAD_DIM))
+
+
+@triton.jit
 def seq_info(b, bound, cu_seqlens, seqused, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
              PACKED: tl.constexpr = True):
     """Returns (first row of sequence b in the packed tensor, its length): (0, bound) for a dense batch, where
