@@ -24,7 +24,6 @@ from flashtile.config import production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
 from flashtile.kernels.seqlen import MAX_SORT, _schedule_kernel  # noqa: E402
-from flashtile.ops.bwd import HOST_DESCRIPTORS as BWD_HOST_DESCRIPTORS  # noqa: E402
 from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
@@ -34,21 +33,18 @@ FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
                 "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
-# Host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py, Note [host
-# descriptors]): per kernel, argument -> box rows. The backward streams Q/dO (dK/dV) or K/V (dQ) through them.
-HOST_DESCS = {
-    "fwd": {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"},
-    "bwd_dkdv": {"Q": "BLOCK_M", "DO": "BLOCK_M"},
-    "bwd_dq": {"K": "BLOCK_N", "V": "BLOCK_N"},
-}
+# The forward takes host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
+# Note [host descriptors]): argument -> box rows.
+HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
             "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
             "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
 
 
-def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16", descs=None):
-    # Pointers and K/V strides get the 16-divisibility Triton's launcher specialises on for aligned tensors, so that
-    # pointer loads (the paged forward's K/V gathers) are pipelined with cp.async as they are in production.
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16"):
+    # Pointers and strides (ALiBi's batch stride aside) get the 16-divisibility Triton's launcher specialises on for
+    # aligned tensors, so that pointer loads (the paged forward's K/V gathers, the backward's held tiles) are
+    # vectorised and pipelined with cp.async as they are in production.
     signature, consts, attrs = {}, dict(constexprs), {}
     for idx, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -56,8 +52,8 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
         elif name in OPTIONAL and OPTIONAL[name] in fn.arg_names and not constexprs.get(OPTIONAL[name], False):
             signature[name] = "constexpr"
             consts[name] = None
-        elif name in (descs or {}) and constexprs.get("DESC", 0) != 0 and (name != "O" or constexprs["DESC"] == 1):
-            rows, d = constexprs[descs[name]], constexprs["BLOCK_D"]
+        elif name in HOST_DESCS and constexprs.get("DESC", 0) != 0 and (name != "O" or constexprs["DESC"] == 1):
+            rows, d = constexprs[HOST_DESCS[name]], constexprs["BLOCK_D"]
             signature[name] = f"tensordesc<{dtype}[{'1,' if constexprs['DESC'] == 1 else ''}{rows},1,{d}]>"
         elif name.isupper():
             elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
@@ -108,11 +104,10 @@ def main(argv):
             if flags["PAGED"] and "PAGED" not in fn.arg_names:
                 continue
             flags = {name: value for name, value in flags.items() if name in fn.arg_names}
-            if flags.get("DESC") and (d > HOST_DESCRIPTOR_MAX_D or (kernel != "fwd" and flags["IS_VARLEN"])
-                                      or not BWD_HOST_DESCRIPTORS.get(kernel, True)):
-                flags["DESC"] = 0  # what the launchers pass for such head dims, and the backward for varlen
+            if flags.get("DESC") and d > HOST_DESCRIPTOR_MAX_D:
+                flags["DESC"] = 0  # what the launcher passes for such head dims (ops/fwd.py)
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
-            c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages, descs=HOST_DESCS[kernel])
+            c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages)
             ptx = c.asm["ptx"]
             row = {"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
                    cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,

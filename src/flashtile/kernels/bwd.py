@@ -19,17 +19,16 @@ kernel is per row, so it sees a varlen batch as one sequence of total_q rows. Of
 are int64, as in the forward. Does not do dropout or paged K/V.
 
 Memory: each kernel holds two tiles for its whole loop (K and V in dK/dV, Q and dO in dQ) and streams two others.
-Held tiles are read once with pointer loads (seqlen.load_once) and the results written with pointer stores; the
-streamed ones come through TMA descriptors, chosen by DESC (seqlen.load_rows): DESC_DENSE, host-built rank-4
-descriptors passed as kernel parameters (ops/bwd.py), or DESC_ROW, built on the device per (sequence, head) for
-varlen batches and head dims past ops/fwd.HOST_DESCRIPTOR_MAX_D. So a dense program builds no descriptor at all.
+Held tiles are read once with pointer loads (seqlen.load_once) and the results written with pointer stores, so a
+program builds device descriptors only for the two tiles it streams. (Streaming those through host-built
+descriptors too, as the forward does, measured no faster and crashed ptxas on some configs: PERF.md.)
 """
 
 import triton
 import triton.language as tl
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
-from .seqlen import DESC_PACKED, DESC_ROW, load_once, load_rows, row_desc, seq_info, store_once, tile_coords
+from .seqlen import load_once, row_desc, seq_info, store_once, tile_coords
 
 
 @triton.jit
@@ -56,17 +55,17 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, lo, hi,
+def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
                     seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
-        q = load_rows(q_src, 0, start_m, b, h, DESC, BLOCK_M, BLOCK_D)
-        do = load_rows(do_src, 0, start_m, b, h, DESC, BLOCK_M, BLOCK_D)
+        q = q_desc.load([start_m, 0])
+        do = do_desc.load([start_m, 0])
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -102,11 +101,9 @@ def _bwd_dkdv_kernel(
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    DESC: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    tl.static_assert(DESC != DESC_PACKED, "the backward reads varlen batches through per-sequence descriptors")
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
     b, pid_n = tile_coords(SCHEDULE, batch, BLOCK_N, False, IS_VARLEN)
     hk = tl.program_id(1)
@@ -133,30 +130,23 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         h64 = h.to(tl.int64)
-        if DESC == DESC_ROW:
-            q_src = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
-                             seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
-            do_src = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
-                              seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
-        else:
-            q_src = Q
-            do_src = DO
+        q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
+                          seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+        do_desc = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
+                           seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
         LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, lo, full_lo,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                                 BLOCK_M, BLOCK_D, DESC, True,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, full_lo, full_hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                                 BLOCK_M, BLOCK_D, DESC, False,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, False,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, b, h, LSE_H, DELTA_H, j, full_hi, hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                                 BLOCK_M, BLOCK_D, DESC, True,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
                                  MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     store_once(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh, n_start, seqlen_k, stride_dkn,
                dk * softmax_scale, HEAD_DIM)
@@ -165,16 +155,16 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, lo, hi,
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k = load_rows(k_src, 0, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
-        v = load_rows(v_src, 0, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -205,11 +195,9 @@ def _bwd_dq_kernel(
     qk_scale, softcap2, softmax_scale, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    DESC: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    tl.static_assert(DESC != DESC_PACKED, "the backward reads varlen batches through per-sequence descriptors")
     b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -221,14 +209,10 @@ def _bwd_dq_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    if DESC == DESC_ROW:
-        k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                         seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
-        v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
-    else:
-        k_src = K
-        v_src = V
+    k_desc = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                      seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    v_desc = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                      seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
     q = load_once(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh, m_start, seqlen_q, stride_qm,
                   BLOCK_M, HEAD_DIM, BLOCK_D)
     do = load_once(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh, m_start, seqlen_q, stride_dom,
@@ -249,14 +233,14 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, lo, full_lo, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, True,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, False,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, False,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, i, full_hi, hi, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
+                       qk_scale, softcap2, slope2, BLOCK_N, True,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     store_once(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh, m_start, seqlen_q, stride_dqm,
                dq * softmax_scale, HEAD_DIM)

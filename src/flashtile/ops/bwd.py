@@ -15,21 +15,12 @@ from typing import Optional
 import torch
 import triton
 
-from ..config import block_d, tile_config
+from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
-from ..kernels.seqlen import DESC_DENSE, DESC_ROW
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, head_dims,
-                     host_desc, launch, prepare_launch, schedule, tile_grid, tma_ready, unpack)
-from .fwd import HOST_DESCRIPTOR_MAX_D, logit_scales, lse_strides
-
-# Per kernel, whether dense batches stream their tiles through host-built descriptors (kernels/bwd.py, "Memory");
-# the tiles a program holds are pointer loads either way. tools/ab_descriptors.py --backward times the settings.
-# dQ with host descriptors and its table config (num_stages=2) crashes the ptxas bundled with Triton 3.6
-# (SIGSEGV; 1 and 3 stages compile): it keeps device descriptors unless a measured config says otherwise.
-HOST_DESCRIPTORS = {"bwd_dkdv": True, "bwd_dq": False}
-_DKDV_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "DO": "BLOCK_M"})
-_DQ_BLOCKS = descriptor_blocks({"K": "BLOCK_N", "V": "BLOCK_N"})
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, head_dims, launch,
+                     prepare_launch, schedule, tile_grid, tma_ready, unpack)
+from .fwd import logit_scales, lse_strides
 
 
 def _grad_buffers(q, k, v, packing):
@@ -96,31 +87,23 @@ def attention_bwd(
         *bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), rows,
         **dims, BLOCK_M=cfg.block_m,
     )
-    # Note [host descriptors] in ops/fwd.py: one descriptor per streamed tensor, built here, for dense batches.
-    host = {name: on and not varlen and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
-            for name, on in HOST_DESCRIPTORS.items()}
     common = dict(GROUP=nheads // nheads_kv, **dims, **flags)
     scalars = (seqlen_q, seqlen_k, batch, qk_scale, softcap2, softmax_scale, window_left, window_right)
     strides_qkv_do = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                       *bmh_strides(dout, varlen))
     tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
 
-    # dK/dV streams Q and dO, dQ streams K and V.
-    q_src, do_src = (host_desc(q), host_desc(dout)) if host["bwd_dkdv"] else (q, dout)
-    k_src, v_src = (host_desc(k), host_desc(v)) if host["bwd_dq"] else (k, v)
     launch(
         _bwd_dkdv_kernel, "bwd_dkdv", head_dim,
         lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen),
-        q_src, k, v, do_src, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
+        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
         *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
-        DESC=DESC_DENSE if host["bwd_dkdv"] else DESC_ROW, pre_hook=_DKDV_BLOCKS,
     )
     launch(
         _bwd_dq_kernel, "bwd_dq", head_dim,
         lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
-        q, k_src, v_src, dout, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
+        q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
         *strides_qkv_do, *bmh_strides(dq, varlen), *tail, **common,
-        DESC=DESC_DENSE if host["bwd_dq"] else DESC_ROW, pre_hook=_DQ_BLOCKS,
     )
     return grads
 
