@@ -58,14 +58,15 @@ COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits a
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
-# once (d128: 124-128 registers a thread at 4 warps, so 4 by the register file, 38 KB of shared memory each; pages
-# smaller than a tile take 149 registers, 3 programs, and still measured best at this count), and the launch is
-# given as many splits as fit in that one wave, rounded down. Rounding up was the session-2 rule, and the wave it
+# once (d128: 4 warps of at most 128 registers a thread, a cap decode_launch_opts sets, and 38 KB of shared memory
+# each), and the launch is given as many splits as fit in that one wave, rounded down. Rounding up was the session-2 rule, and the wave it
 # spilled into cost up to 25% paged: a launch of 1.03-1.45 waves runs its last programs on a few SMs, each reading
 # at one program's latency-bound rate (tools/tune_decode.py --splits, 256k cached tokens, Sq=1: at 0.97-1.00 wave
 # 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at 1.03-1.45 waves 2.89-3.67 paged; PERF.md). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and the partial
 # buffers are capped at MAX_SPLITS. Head dims other than 128 use the same occupancy, not measured.
 PROGRAMS_PER_SM = 4
+REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
+MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
 _INTERPRETER_SMS = 4  # a pretend small GPU, so that auto-splitting engages on the interpreter's tiny shapes
@@ -111,13 +112,23 @@ def page_tiled(block_table: Optional[torch.Tensor], k_cache: torch.Tensor, block
     return block_table is not None and k_cache.shape[1] % block_n == 0
 
 
-def decode_launch_opts(cfg: TileConfig, paged: bool) -> dict:
+def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     """Triton's software pipeliner gives the block-table load a stage of its own and the K/V loads that depend on
     it fewer buffers: on sm_90 (see the compile check) contiguous caches get 2 K/V tiles in flight at num_stages=3,
-    paged ones 1 at 3 or 4 stages and 2 at 5. PAGED_EXTRA_STAGES keeps the paged read depth equal."""
+    paged ones 1 at 3 or 4 stages and 2 at 5. PAGED_EXTRA_STAGES keeps the paged read depth equal.
+
+    The split heuristic assumes PROGRAMS_PER_SM resident programs, so for the decode step's own tile (BLOCK_M =
+    16: one token's GQA group) the register budget that allows is a launch option (maxnreg), wherever it leaves at
+    least MIN_MAXNREG registers a thread: without it, pages smaller than a tile took 149 registers at d128 (3
+    programs an SM, so a launch of "one wave" ran in 1.3) and now fit 124-128 without a spill with every flag on
+    (ptxas, sm_90a). Larger packed tiles (Sq > 1 or large groups) would spill under that cap and keep their
+    registers."""
     opts = launch_opts(cfg)
     if paged:
         opts["num_stages"] += PAGED_EXTRA_STAGES
+    budget = REGISTERS_PER_SM // (PROGRAMS_PER_SM * 32 * cfg.num_warps)
+    if block_m <= 16 and budget >= MIN_MAXNREG:
+        opts["maxnreg"] = min(budget, 255)
     return opts
 
 
@@ -131,7 +142,7 @@ def production_configs() -> list[tuple[str, dict, dict]]:
             for paged, tiled in ((False, False), (True, False), (True, True)):
                 tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "PAGED": paged,
                         "PAGE_TILED": tiled}
-                rows.append(("decode", tile, decode_launch_opts(cfg, paged)))
+                rows.append(("decode", tile, decode_launch_opts(cfg, paged, block_m)))
             block_m *= 2
         rows.append(("append_kv", {"BLOCK_D": d, "BLOCK_T": APPEND_BLOCK_T}, SMALL_KERNEL_OPTS))
         for block_r in COMBINE_BLOCK_R:
@@ -270,7 +281,7 @@ def decode(
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
         ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _SHARED_FLAGS},
-        **decode_launch_opts(cfg, block_table is not None),
+        **decode_launch_opts(cfg, block_table is not None, block_m),
     )
     if num_splits > 1:
         combine_into(o_part, lse_part, out, lse)
