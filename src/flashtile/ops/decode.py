@@ -107,19 +107,9 @@ def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, i
     return block_m, min(span, triton.next_power_of_2(seqlen_q)), triton.cdiv(rows, block_m)
 
 
-def key_tile(cfg: TileConfig, block_table: Optional[torch.Tensor], k_cache: torch.Tensor) -> tuple[int, bool]:
-    """(BLOCK_N, PAGE_TILED): whether the decode kernel reads one block-table entry per key tile, pages holding
-    whole tiles. Pages smaller than the table's tile but still a tensor-core tile (a power of two >= 16) get key
-    tiles of one page: translating each row instead cost 16-token pages 5-6% against contiguous caches at d128
-    with 32-row tiles (PERF.md)."""
-    if block_table is None:
-        return cfg.block_n, False
-    page_size = k_cache.shape[1]
-    if page_size % cfg.block_n == 0:
-        return cfg.block_n, True
-    if 16 <= page_size < cfg.block_n and page_size & (page_size - 1) == 0:
-        return page_size, True
-    return cfg.block_n, False
+def page_tiled(block_table: Optional[torch.Tensor], k_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether the decode kernel can read one block-table entry per key tile: pages hold whole tiles."""
+    return block_table is not None and k_cache.shape[1] % block_n == 0
 
 
 def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
@@ -149,11 +139,9 @@ def production_configs() -> list[tuple[str, dict, dict]]:
     for d, cfg in DECODE_TABLE.items():
         block_m = 16
         while block_m <= cfg.block_m:
-            # key_tile: the table's tile, contiguous or paged either way, and one-page tiles of 16 rows and up.
-            variants = [(cfg.block_n, False, False), (cfg.block_n, True, False), (cfg.block_n, True, True)]
-            variants += [(1 << p, True, True) for p in range(4, cfg.block_n.bit_length() - 1)]
-            for block_n, paged, tiled in variants:
-                tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "PAGED": paged, "PAGE_TILED": tiled}
+            for paged, tiled in ((False, False), (True, False), (True, True)):
+                tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "PAGED": paged,
+                        "PAGE_TILED": tiled}
                 rows.append(("decode", tile, decode_launch_opts(cfg, paged, block_m)))
             block_m *= 2
         rows.append(("append_kv", {"BLOCK_D": d, "BLOCK_T": APPEND_BLOCK_T}, SMALL_KERNEL_OPTS))
@@ -263,10 +251,9 @@ def decode(
     group = nheads // nheads_kv
     cfg = decode_config(head_dim)
     block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
-    block_n, tiled = key_tile(cfg, block_table, k_cache)
     if num_splits == 0:
         num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
-                                     triton.cdiv(capacity(k_cache, block_table), block_n), sm_count(q.device))
+                                     triton.cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device))
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
@@ -289,8 +276,8 @@ def decode(
         num_splits,
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t,
-        GROUP=group, PAGED=block_table is not None, PAGE_TILED=tiled,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
+        GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
         ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _SHARED_FLAGS},
