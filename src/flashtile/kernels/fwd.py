@@ -65,7 +65,8 @@ def _load_kv(src, start, start_n, b, hk, page, off, stride_page, stride_row, row
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages, stride_kb, stride_kn, stride_vb, stride_vn,
+               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+               stride_kb, stride_kn, stride_vb, stride_vn,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                PAGED: tl.constexpr, DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,

@@ -58,12 +58,14 @@ COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits a
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
-# once (d128: 4 warps of at most 128 registers a thread, a cap decode_launch_opts sets, and 38 KB of shared memory
-# each), and the launch is given as many splits as fit in that one wave, rounded down. Rounding up was the session-2 rule, and the wave it
-# spilled into cost up to 25% paged: a launch of 1.03-1.45 waves runs its last programs on a few SMs, each reading
-# at one program's latency-bound rate (tools/tune_decode.py --splits, 256k cached tokens, Sq=1: at 0.97-1.00 wave
-# 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at 1.03-1.45 waves 2.89-3.67 paged; PERF.md). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its pipeline fills, and the partial
-# buffers are capped at MAX_SPLITS. Head dims other than 128 use the same occupancy, not measured.
+# once (d128: 4 warps of at most 128 registers a thread, a cap decode_launch_opts sets, and 38 KB of shared
+# memory each), and the launch is given as many splits as fit in that one wave, rounded down. Rounding up was the
+# session-2 rule, and the wave it spilled into cost up to 25% paged: a launch of 1.03-1.45 waves runs its last
+# programs on a few SMs, each reading at one program's latency-bound rate (tools/tune_decode.py --splits, 256k
+# cached tokens, Sq=1: at 0.97-1.00 wave 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at
+# 1.03-1.45 waves 2.89-3.67 paged; PERF.md). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its
+# pipeline fills, and the partial buffers are capped at MAX_SPLITS. Head dims other than 128 use the same
+# occupancy, not measured.
 PROGRAMS_PER_SM = 4
 REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
@@ -121,8 +123,8 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     16: one token's GQA group) the register budget that allows is a launch option (maxnreg), wherever it leaves at
     least MIN_MAXNREG registers a thread: without it, pages smaller than a tile took 149 registers at d128 (3
     programs an SM, so a launch of "one wave" ran in 1.3) and now fit 124-128 without a spill with every flag on
-    (ptxas, sm_90a). Larger packed tiles (Sq > 1 or large groups) would spill under that cap and keep their
-    registers."""
+    (ptxas, sm_90a; measured 1-3% faster on every decode-preset row, PERF.md). Tiles of more packed rows (larger
+    groups, more query tokens) would spill under that cap and keep their registers."""
     opts = launch_opts(cfg)
     if paged:
         opts["num_stages"] += PAGED_EXTRA_STAGES
