@@ -1,5 +1,5 @@
 """Time every candidate tile config of each prefill kernel on the GPU and print the best per head dim.
-The backward kernels are scored on the whole backward (preprocess, dK/dV, dQ), so tune dK/dV first, then dQ.
+The backward kernels are scored on the whole backward (dQ with delta, then dK/dV), so tune dK/dV first, then dQ.
 
 Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [--seqlen 4096]
 Feeds config.TABLE by hand: each entry there names the run it came from. Shapes follow the standard sweep

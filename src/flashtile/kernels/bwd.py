@@ -1,24 +1,27 @@
 """Backward by recomputation: P is rebuilt from the saved log-sum-exp, never stored.
 
-Three kernels, each its own parallelisation:
-  _bwd_preprocess_kernel  delta = rowsum(dO * O) per query row (fp32), one program per (query tile, head, seq).
+Two kernels, each its own parallelisation, launched in this order:
+  _bwd_dq_kernel          one program per (query tile, query head, seq), walking key tiles like the forward. It
+                          first computes delta = rowsum(dO * O) (fp32) for its rows and stores it for the dK/dV
+                          kernel: no separate pass over O and dO, no extra launch. dQ is recomputed here rather
+                          than accumulated with atomics from the dK/dV kernel: two extra matmuls per tile pair,
+                          but deterministic and free of an fp32 dQ buffer.
   _bwd_dkdv_kernel        one program per (key tile, KV head, seq). It holds K, V and the dK, dV accumulators on
                           chip and walks the query tiles of every query head in its GQA group, so dK/dV are summed
-                          over the group in registers: no atomics, bitwise deterministic.
-  _bwd_dq_kernel          one program per (query tile, query head, seq), walking key tiles like the forward. dQ
-                          is recomputed here rather than accumulated with atomics from the dK/dV kernel: two
-                          extra matmuls per tile pair, but deterministic and free of an fp32 dQ buffer.
+                          over the group in registers: no atomics, bitwise deterministic. It reads delta as the
+                          dQ kernel stored it, which the launch order (one stream) guarantees is complete.
 
 Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse * log2(e):
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
   dK += dS^T Q;  dQ += dS K;  finally dK and dQ are scaled by softmax_scale.
 Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys past seqlen_k are zero rows
 (descriptor zero-fill) and are masked where they could reach a stored value. Varlen dK/dV and dQ grids are tile
-lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); the preprocess
-kernel is per row, so it sees a varlen batch as one sequence of total_q rows. Offsets that can pass 2^31 elements
+lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); delta is written
+only for the rows each sequence uses, which are the only rows dK/dV reads. Offsets that can pass 2^31 elements
 are int64, as in the forward. Does not do dropout or paged K/V.
 
-Memory: each kernel holds two tiles for its whole loop (K and V in dK/dV, Q and dO in dQ) and streams two others.
+Memory: each kernel holds two tiles for its whole loop (K and V in dK/dV, Q and dO in dQ; dQ reads O once more
+for delta) and streams two others.
 Held tiles are read once with pointer loads (seqlen.load_once) and the results written with pointer stores, so a
 program builds device descriptors only for the two tiles it streams. (Streaming those through host-built
 descriptors too, as the forward does, measured no faster and crashed ptxas on some configs: PERF.md.)
@@ -29,29 +32,6 @@ import triton.language as tl
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
 from .seqlen import load_once, row_desc, seq_info, store_once, tile_coords
-
-
-@triton.jit
-def _bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_om, stride_oh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lb, stride_lh,
-    seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    m_start = pid_m * BLOCK_M
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    o = load_once(O + b64 * stride_ob + h64 * stride_oh, m_start, seqlen_q, stride_om, BLOCK_M, HEAD_DIM,
-                  BLOCK_D).to(tl.float32)
-    do = load_once(DO + b64 * stride_dob + h64 * stride_doh, m_start, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM,
-                   BLOCK_D).to(tl.float32)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -184,11 +164,12 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
+    Q, K, V, DO, O, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
+    stride_ob, stride_om, stride_oh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k, batch,
@@ -224,7 +205,10 @@ def _bwd_dq_kernel(
     row_ok = offs_m < seqlen_q
     lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok,
                    other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    o = load_once(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh, m_start, seqlen_q, stride_om,
+                  BLOCK_M, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, delta, mask=row_ok)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E

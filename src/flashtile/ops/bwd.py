@@ -1,11 +1,12 @@
-"""Backward launcher and the `flashtile::bwd` custom op: preprocess (delta), dK/dV, then dQ.
+"""Backward launcher and the `flashtile::bwd` custom op: dQ (which also writes delta = rowsum(dO * O)), then
+dK/dV.
 
 Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles, KV heads, sequences)
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
 reproducible. Varlen batches get the forward's tile lists (kernels/seqlen.py): dQ tiles cost in proportion to
-their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest sequences first. The
-preprocess (delta per row) sees a varlen batch as one sequence of total_q rows. Packed inputs get their gradients
-written into one buffer of the packed shape.
+their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest sequences first. Two
+launches, in that order on one stream: dK/dV reads the delta the dQ kernel wrote. Packed inputs get their
+gradients written into one buffer of the packed shape.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
-from ..config import tile_config
-from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, head_dims, launch,
                      prepare_launch, schedule, tile_grid, tma_ready, unpack)
@@ -77,16 +76,8 @@ def attention_bwd(
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     prepare_launch(q)
 
-    # delta is per row, so a varlen batch is one sequence of total_q rows here (rows past seqused_q have out = 0,
-    # hence delta = 0, and no kernel reads them).
+    # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads.
     delta = torch.empty_like(lse)
-    cfg = tile_config("fwd", head_dim)
-    rows, seqs = (q.shape[0], 1) if varlen else (seqlen_q, batch)
-    _bwd_preprocess_kernel[(triton.cdiv(rows, cfg.block_m), nheads, seqs)](
-        out, dout, delta,
-        *bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), rows,
-        **dims, BLOCK_M=cfg.block_m,
-    )
     common = dict(GROUP=nheads // nheads_kv, **dims, **flags)
     scalars = (seqlen_q, seqlen_k, batch, qk_scale, softcap2, softmax_scale, window_left, window_right)
     strides_qkv_do = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
@@ -94,16 +85,16 @@ def attention_bwd(
     tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
 
     launch(
+        _bwd_dq_kernel, "bwd_dq", head_dim,
+        lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
+        q, k, v, dout, out, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
+        *strides_qkv_do, *bmh_strides(out, varlen), *bmh_strides(dq, varlen), *tail, **common,
+    )
+    launch(
         _bwd_dkdv_kernel, "bwd_dkdv", head_dim,
         lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen),
         q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
         *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
-    )
-    launch(
-        _bwd_dq_kernel, "bwd_dq", head_dim,
-        lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
-        q, k, v, dout, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
-        *strides_qkv_do, *bmh_strides(dq, varlen), *tail, **common,
     )
     return grads
 
