@@ -41,6 +41,12 @@ OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "
             "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
 
 
+# Integer arguments that production calls usually pass as multiples of 16 (sequence lengths): Triton's launcher
+# specialises them so, and that changes the code ptxas sees. The ptxas bundled with Triton 3.6 crashed on the
+# causal d32 dQ kernel only with this specialisation (config.py), so the check compiles what the GPU compiles.
+DIVISIBLE_INTS = {"seqlen_q", "seqlen_k"}
+
+
 def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16"):
     # Pointers and strides (ALiBi's batch stride aside) get the 16-divisibility Triton's launcher specialises on for
     # aligned tensors, so that pointer loads (the paged forward's K/V gathers, the backward's held tiles) are
@@ -61,7 +67,7 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
             attrs[(idx,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in FP32_SCALARS else "i32"
-            if name.startswith("stride_") and name != "stride_ab":
+            if (name.startswith("stride_") and name != "stride_ab") or name in DIVISIBLE_INTS:
                 attrs[(idx,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -73,6 +79,9 @@ FLAG_SETS = {
     "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
                   MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
                   DOT_PRECISION="tf32"),
+    "causal": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
+                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
+                   DOT_PRECISION="tf32"),
     "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
                 DOT_PRECISION="tf32"),

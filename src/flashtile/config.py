@@ -29,6 +29,8 @@ class TileConfig:
 
 _H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k (PERF.md)"
 _SMALL_D = "d64's measured config, reused for small head dims (not measured separately)"
+_DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bundled with Triton 3.6 crashes "
+               "(SIGSEGV) on the causal d32 dQ kernel (H200 GPU tier, 2026-11-29; tests/sm90_compile.py)")
 
 # kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
 TABLE: dict[str, dict[int, TileConfig]] = {
@@ -47,8 +49,8 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         256: TileConfig(32, 64, 8, 2, _H200),
     },
     "bwd_dq": {
-        16: TileConfig(64, 64, 4, 2, _SMALL_D),
-        32: TileConfig(64, 64, 4, 2, _SMALL_D),
+        16: TileConfig(64, 64, 4, 3, _DQ_SMALL_D),
+        32: TileConfig(64, 64, 4, 3, _DQ_SMALL_D),
         64: TileConfig(64, 64, 4, 2, _H200),
         128: TileConfig(64, 64, 4, 2, _H200),
         256: TileConfig(64, 64, 4, 2, _H200),
