@@ -205,6 +205,7 @@ def _bwd_dq_kernel(
     row_ok = offs_m < seqlen_q
     lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok,
                    other=float("inf")) * LOG2E
+    # delta = rowsum(dO * O) of this tile's rows, used here and stored for the dK/dV kernel that runs next.
     o = load_once(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh, m_start, seqlen_q, stride_om,
                   BLOCK_M, HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
