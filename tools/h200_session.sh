@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# One GPU session's measurements in two back-to-back device calls. FlashAttention-4's wheels travel in two halves
-# (../shared/tools/fa4-wheels.sh makes .fa4a/ and .fa4b/), and the machine stays warm ~30 s between calls:
+# One GPU session's measurements in three back-to-back device calls. FlashAttention-4's wheels travel in two
+# halves (../shared/tools/fa4-wheels.sh makes .fa4a/ and .fa4b/), and the machine stays warm ~30 s between calls:
 #   part 1 (carry .fa4a): GPU test tier, varlen preset (with its dense baseline), decode preset
-#   part 2 (carry .fa4b): FA4 installed, then the standard sweep (d64, d128, d256), one JSON per head dim and mode
-# Every log and JSON goes to $OUT; a bench cut short by its time limit keeps the cases it finished.
-# Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2 [git-sha]
+#   part 2 (carry .fa4b): FA4 installed, then the standard sweep at d128 and d64, one JSON per head dim and mode
+#   part 3 (no carry, straight after part 2: FA4 is still installed on the warm machine): the sweep at d256
+# Session 3 needed ~350 s for part 2's sweeps and ~300 s for d256 with every backend: one call (600 s) cannot
+# hold all three head dims. Every log and JSON goes to $OUT; a bench cut short by its time limit keeps the cases
+# it finished. Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2|3 [git-sha]
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 sha=${2:-unknown}
 mkdir -p "$out" /tmp/fa4
 bench="python3 -m flashtile bench --meta git_sha=$sha"
@@ -27,12 +29,15 @@ else
     cat /tmp/fa4/part.aa /tmp/fa4/part.ab > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
     rm -f /tmp/fa4/part.*
     python3 -m pip install -q --no-index --no-deps --target /tmp/fa4site /tmp/fa4/*.whl
+  fi
+  if [ -d /tmp/fa4site ]; then
     export PYTHONPATH=src:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
   else
-    echo "FA4 wheels incomplete (part 1 ran on another machine): the fa4 rows will say unsupported"
+    echo "FA4 not installed (an earlier part ran on another machine): the fa4 rows will say unsupported"
   fi
-  # Session 2 took 228 s for d128 + d64 and 173 s for d256 with these backends less sdpa-efficient.
-  for spec in "128 fwd 100" "128 fwdbwd 110" "64 fwd 80" "64 fwdbwd 100" "256 fwd 80" "256 fwdbwd 100"; do
+  specs=("128 fwd 80" "128 fwdbwd 110" "64 fwd 70" "64 fwdbwd 100")
+  [ "$part" = 3 ] && specs=("256 fwd 110" "256 fwdbwd 250")
+  for spec in "${specs[@]}"; do
     set -- $spec
     timeout "$3" $bench --preset standard --mode "$2" --head-dim "$1" \
       --backends flashtile,flex,sdpa-cudnn,sdpa-flash,sdpa-efficient,fa4 --rep-ms 20 \
