@@ -97,9 +97,10 @@ def attention_fwd(
     # where each program runs few key blocks). A packed varlen batch gets host descriptors over (total, H, D) for
     # Q, K and V, whose boxes may cross into the next sequence (kernels/fwd.py: DESC says why that is safe), and
     # keeps a per-sequence one for O. Measured on the H200 (PERF.md): the dense forward 4-23% faster at S = 1k-4k,
-    # the varlen forward 9-11% on 16 sequences of 256-4096 tokens. The backward keeps device descriptors: with
-    # host ones, the tiles its kernels hold for a whole loop come out of the rank-4 boxes through registers
-    # (dK/dV at d128 spilled 360 bytes instead of 104) and it ran 6-9% slower where GPU-bound.
+    # the varlen forward 9-11% on 16 sequences of 256-4096 tokens. The backward streams its tiles through device
+    # descriptors and reads the ones it holds with pointer loads (kernels/bwd.py): host descriptors for every tile
+    # ran 6-9% slower in session 2 (the held tiles spilled), and for the streamed ones only they were no faster
+    # in session 3 and crashed ptxas on some configs.
     host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED if varlen else DESC_DENSE) if host else DESC_ROW
     if desc == DESC_ROW:
