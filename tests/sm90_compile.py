@@ -75,13 +75,12 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 
 
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
+_DENSE = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
+              MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
+              DOT_PRECISION="tf32")
 FLAG_SETS = {
-    "dense": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
-                  MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-                  DOT_PRECISION="tf32"),
-    "causal": dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
-                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-                   DOT_PRECISION="tf32"),
+    "dense": _DENSE,
+    "causal": dict(_DENSE, MASK_RIGHT=True),
     "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
                 DOT_PRECISION="tf32"),
