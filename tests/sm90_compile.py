@@ -33,6 +33,7 @@ FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
                 "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
+I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
 # The forward takes host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
 # Note [host descriptors]): argument -> box rows.
 HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"}
@@ -66,7 +67,7 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
             signature[name] = "*" + elem
             attrs[(idx,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name in FP32_SCALARS else "i32"
+            signature[name] = "fp32" if name in FP32_SCALARS else "i64" if name in I64_SCALARS else "i32"
             if (name.startswith("stride_") and name != "stride_ab") or name in DIVISIBLE_INTS:
                 attrs[(idx,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)

@@ -23,6 +23,7 @@ import torch
 import flashtile.kvcache as kvcache
 from conftest import DEVICE
 from flashtile.ops import decode as decode_ops
+from flashtile.ops.common import fast_divisor
 from flashtile.testing import attention_ref, check_close
 
 NAN = float("nan")
@@ -245,6 +246,19 @@ def test_paged_identical_to_contiguous(page_size):
     out, lse, _, _ = run_case(**case)
     paged_out, paged_lse, _, _ = run_case(page_size=page_size, **case)
     assert torch.equal(out, paged_out) and torch.equal(lse, paged_lse)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 16, 96, 256, 1000, 4097, 2**20 + 7, 2**31 - 1])
+def test_fast_divisor_is_exact(d):
+    """Page translation divides rows by a multiply and a shift (kvcache.cache_coords); the identity must hold for
+    every row a kernel can pass (0 <= n < 2^31), in int64 without overflow. Checked on the edges of each
+    quotient step, the top of the range and a random sample, with the kernel's own int64 arithmetic."""
+    mul, shift = fast_divisor(d)
+    edges = [q * d + r for q in (0, 1, 2, (2**31 - 1) // d - 1, (2**31 - 1) // d) for r in (-1, 0, 1, d - 1)]
+    n = torch.tensor([x for x in edges if 0 <= x < 2**31] + [2**31 - 1], dtype=torch.int64)
+    n = torch.cat([n, torch.randint(0, 2**31, (4096,), generator=torch.Generator().manual_seed(d))])
+    assert torch.equal((n * mul) >> shift, n // d)
+    assert mul * (2**31 - 1) < 2**63
 
 
 def test_num_splits_agree():
@@ -485,7 +499,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                                    else "*" + out_dtype if name == "O" else "*" + dtype)
                 attrs[(idx,)] = [["tt.divisibility", 16]]
             else:
-                signature[name] = "fp32" if name in ("qk_scale", "softcap2") else "i32"
+                # page_mul (ops/common.fast_divisor) is >= 2^31, which Triton passes as int64.
+                signature[name] = ("fp32" if name in ("qk_scale", "softcap2") else "i64" if name == "page_mul"
+                                   else "i32")
                 if name.startswith("stride_") and name not in ("stride_lm", "stride_ab"):
                     attrs[(idx,)] = [["tt.divisibility", 16]]
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)

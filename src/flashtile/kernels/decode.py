@@ -60,7 +60,8 @@ def _load_kv(ptrs, row_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOC
 @triton.jit
 def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo, hi,
                   r_lo, r_hi, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
+                  stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                  stride_btb, page_size, page_mul, page_shift, num_pages,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr,
                   MASK_RIGHT: tl.constexpr,
@@ -72,12 +73,15 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         row_ok = (r >= r_lo) & (r < r_hi)  # the sequence's own rows; only MASKED blocks use (and compute) it
         if PAGE_TILED:
             # The tile lies in one page, which holds rows of this sequence: one block-table entry for all rows.
-            page, off = cache_coords(start, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
+            page, off = cache_coords(start, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift,
+                                     num_pages, None, PAGED)
             off = off + offs_n
         elif MASKED:
-            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, row_ok, PAGED)
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift,
+                                     num_pages, row_ok, PAGED)
         else:
-            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
+            page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift,
+                                     num_pages, None, PAGED)
         k = _load_kv(K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d, row_ok, d,
                      MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
@@ -105,7 +109,8 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_btb, stride_ab, stride_cos,
-    seqlen_q, seqlen_new, page_size, num_pages, capacity, rotary_dim, num_splits, num_m_tiles,
+    seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, num_splits,
+    num_m_tiles,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -178,20 +183,22 @@ def _decode_kernel(
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
-                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
+                                  stride_vb, stride_vn, stride_vh,
+                                  stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                                  stride_btb, page_size, num_pages,
+                                  stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
-                                  stride_vb, stride_vn, stride_vh, stride_btb, page_size, num_pages,
+                                  stride_vb, stride_vn, stride_vh,
+                                  stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 

@@ -65,7 +65,7 @@ def _load_kv(src, start, start_n, b, hk, page, off, stride_page, stride_row, row
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages,
                stride_kb, stride_kn, stride_vb, stride_vn,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                PAGED: tl.constexpr, DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -78,9 +78,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
         row_ok = r < seqlen_k
         # Where the rows live in a paged cache (dead code for descriptors). Mask-free blocks lie inside seqlen_k.
         if MASKED:
-            page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, num_pages, row_ok, PAGED)
+            page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift,
+                                     num_pages, row_ok, PAGED)
         else:
-            page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, num_pages, None, PAGED)
+            page, off = cache_coords(r, b, b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift,
+                                     num_pages, None, PAGED)
         k = _load_kv(k_src, k_start, start_n, b, hk, page, off, stride_kb, stride_kn, row_ok, d,
                      PAGED, DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
         if UPCAST:
@@ -116,7 +118,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_ab, stride_btb,
-    seqlen_q, seqlen_k, batch, page_size, num_pages,
+    seqlen_q, seqlen_k, batch, page_size, page_mul, page_shift, num_pages,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
@@ -178,19 +180,22 @@ def _attn_fwd_kernel(
     # Left edge of a sliding window, mask-free interior, then the diagonal / right edge / ragged last block.
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, full_lo,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+                               k_start, b, hk, BLOCK_TABLE, stride_btb,
+                               page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn,
                                BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_lo, full_hi,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+                               k_start, b, hk, BLOCK_TABLE, stride_btb,
+                               page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn,
                                BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_hi, hi,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                               k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, num_pages,
+                               k_start, b, hk, BLOCK_TABLE, stride_btb,
+                               page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn,
                                BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)

@@ -26,19 +26,26 @@ import triton.language as tl
 
 
 @triton.jit
-def cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, row_ok, PAGED: tl.constexpr):
-    """(page, off) of physical rows r of sequence b, both int64; see the notation block. row_ok masks rows that
-    are not the sequence's own (their block-table entry is never read); pass None when every row is.
+def cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages, row_ok,
+                 PAGED: tl.constexpr):
+    """(page, off) of physical rows r >= 0 of sequence b, both int64; see the notation block. row_ok masks rows
+    that are not the sequence's own (their block-table entry is never read); pass None when every row is.
+
+    r // page_size is (r * page_mul) >> page_shift, the host's magic numbers for dividing by page_size
+    (ops/common.py: fast_divisor): a multiply and a shift per row where an integer division by a runtime value is
+    a ~25-instruction sequence, twice (quotient and remainder). With pages smaller than a K/V tile every row is
+    translated, and the division was a third of the decode loop's instructions (SASS, sm_90a).
 
     Block-table entries and cache_batch_idx come from device memory and are checked only under FLASHTILE_CHECK=1
     (a host sync); the page is clamped into the cache's num_pages (num_blocks, or B_cache for a contiguous cache),
     so a bad entry reads or writes a wrong page of this cache, never memory outside it."""
     if PAGED:
+        index = ((r * page_mul) >> page_shift).to(tl.int32)  # page_mul is int64, so is the product
         if row_ok is None:
-            page = tl.load(BLOCK_TABLE + b * stride_btb + r // page_size)
+            page = tl.load(BLOCK_TABLE + b * stride_btb + index)
         else:
-            page = tl.load(BLOCK_TABLE + b * stride_btb + r // page_size, mask=row_ok, other=0)
-        off = r % page_size
+            page = tl.load(BLOCK_TABLE + b * stride_btb + index, mask=row_ok, other=0)
+        off = r - index * page_size
     else:
         page = cache_b
         off = r
@@ -75,7 +82,7 @@ def _append_kv_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_btb, stride_cos,
-    seqlen_new, page_size, num_pages, capacity, rotary_dim,
+    seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
 ):
@@ -92,7 +99,8 @@ def _append_kv_kernel(
     cache_b = b
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + b)
-    page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, num_pages, t_ok, PAGED)
+    page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages,
+                             t_ok, PAGED)
     b64 = b.to(tl.int64)
 
     k_ptrs = K_NEW + b64 * stride_knb + t[:, None].to(tl.int64) * stride_knm + hk * stride_knh

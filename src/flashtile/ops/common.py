@@ -148,6 +148,18 @@ def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varle
     return triton.cdiv(seqlen, block), heads, batch
 
 
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(mul, shift) with n // d == (n * mul) >> shift for every 0 <= n < 2^31, for kernels that divide by a
+    runtime value (kvcache.cache_coords: rows by the page size). Division by an invariant integer (Granlund and
+    Montgomery, 1994): with l = ceil(log2 d), shift = 31 + l and mul = ceil(2^shift / d) <= 2^32, so n * mul < 2^63
+    fits int64, and the rounding error e = mul * d - 2^shift < d <= 2^l keeps n * e < 2^shift: the product never
+    reaches the next multiple of d."""
+    if d < 1:
+        raise ValueError(f"divisor must be >= 1, got {d}")
+    shift = 31 + (d - 1).bit_length()
+    return -(-(1 << shift) // d), shift
+
+
 def alibi_batch_stride(alibi_slopes) -> int:
     """Slopes are (H,) or (B, H); a batch stride of 0 makes the first shape read like the second."""
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0

@@ -27,7 +27,7 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, custom_op, launch_opts
+from .common import alibi_batch_stride, custom_op, fast_divisor, launch_opts
 from .fwd import logit_scales
 
 _GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
@@ -157,6 +157,11 @@ def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
+def page_args(k_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(page_size, page_mul, page_shift) as kvcache.cache_coords takes them; a contiguous cache's are unused."""
+    return (k_cache.shape[1], *fast_divisor(k_cache.shape[1]))
+
+
 def _rotary_args(rotary_cos):
     if rotary_cos is None:
         return 0, 0
@@ -182,7 +187,7 @@ def append_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if block_table is not None else 0, stride_cos,
-        seqlen_new, k_cache.shape[1], k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
+        seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
         PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved, **SMALL_KERNEL_OPTS,
@@ -274,7 +279,7 @@ def decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         stride_os, *o_part.stride()[-4:-1], stride_ls, *lse_part.stride()[-3:],
         block_table.stride(0) if block_table is not None else 0, alibi_batch_stride(alibi_slopes), stride_cos,
-        seqlen_q, seqlen_new, k_cache.shape[1], k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
+        seqlen_q, seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
         num_splits,
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right,

@@ -19,8 +19,8 @@ from ..config import block_d
 from ..kernels.fwd import _attn_fwd_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, head_dims, host_desc, launch,
-                     prepare_launch, schedule, tile_grid, tma_ready, unpack)
+from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, head_dims,
+                     host_desc, launch, prepare_launch, schedule, tile_grid, tma_ready, unpack)
 
 
 # Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both
@@ -116,7 +116,8 @@ def attention_fwd(
         qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
         *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
         *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
-        seqlen_q, seqlen_k, batch, page_size, num_pages, qk_scale, softcap2, window_left, window_right,
+        seqlen_q, seqlen_k, batch, page_size, *fast_divisor(page_size), num_pages,
+        qk_scale, softcap2, window_left, window_right,
         GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, **head_dims(head_dim), **flags,
         pre_hook=_FWD_BLOCKS,
     )
