@@ -28,6 +28,8 @@ class TileConfig:
 
 
 _H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k (PERF.md)"
+_H200_S4 = ("measured on H200, 2026-11-29, triton 3.6: fwd+bwd A/B against (64, 64, 4, 2) at S=1k/4k/16k, "
+            "causal and not: +1.5-3.2%, S=1k causal even (PERF.md, S4-2)")
 _SMALL_D = "d64's measured config, reused for small head dims (not measured separately)"
 _DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bundled with Triton 3.6 crashes "
                "(SIGSEGV) on the causal d32 dQ kernel (H200 GPU tier, 2026-11-29; tests/sm90_compile.py)")
@@ -52,7 +54,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         16: TileConfig(64, 64, 4, 3, _DQ_SMALL_D),
         32: TileConfig(64, 64, 4, 3, _DQ_SMALL_D),
         64: TileConfig(64, 64, 4, 2, _H200),
-        128: TileConfig(64, 64, 4, 2, _H200),
+        128: TileConfig(128, 64, 8, 3, _H200_S4),
         256: TileConfig(64, 64, 4, 2, _H200),
     },
 }
