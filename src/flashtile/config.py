@@ -31,7 +31,7 @@ _H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k (
 _H200_S4 = ("measured on H200, 2026-11-29, triton 3.6: fwd+bwd A/B against (64, 64, 4, 2) at S=1k/4k/16k, "
             "causal and not: +1.5-3.2%, S=1k causal even (PERF.md, S4-2)")
 _FWD_D64_S4 = ("measured on H200, 2026-11-29, triton 3.6: A/B/A/B against session 1's (64, 64, 4, 2), which the "
-               "forward's host descriptors overtook: +2.5-19% at S=1k/4k/16k, causal and not (PERF.md, S4-4)")
+               "forward's host descriptors overtook: +2.5-19% at S=1k/4k/16k, causal and not (PERF.md, S4-7)")
 _SMALL_D = "d64's measured config, reused for small head dims (not measured separately)"
 _DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bundled with Triton 3.6 crashes "
                "(SIGSEGV) on the causal d32 dQ kernel (H200 GPU tier, 2026-11-29; tests/sm90_compile.py)")

@@ -28,13 +28,14 @@ import triton.language as tl
 @triton.jit
 def cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages, row_ok,
                  PAGED: tl.constexpr):
-    """(page, off) of physical rows r >= 0 of sequence b, both int64; see the notation block. row_ok masks rows
-    that are not the sequence's own (their block-table entry is never read); pass None when every row is.
+    """(page, off) of physical rows r of sequence b, both int64; see the notation block. row_ok masks rows that
+    are not the sequence's own (their block-table entry is never read, and their r may be anything, negative
+    included); pass None when every row is. The rows it keeps must lie in [0, 2^31).
 
     r // page_size is (r * page_mul) >> page_shift, the host's magic numbers for dividing by page_size
     (ops/common.py: fast_divisor): a multiply and a shift per row where an integer division by a runtime value is
     a ~25-instruction sequence, twice (quotient and remainder). With pages smaller than a K/V tile every row is
-    translated, and the division was a third of the decode loop's instructions (SASS, sm_90a).
+    translated, and the division was about a quarter of the decode loop's instructions (SASS, sm_90a).
 
     Block-table entries and cache_batch_idx come from device memory and are checked only under FLASHTILE_CHECK=1
     (a host sync); the page is clamped into the cache's num_pages (num_blocks, or B_cache for a contiguous cache),
