@@ -15,7 +15,7 @@ from flashtile.bench.cases import CPU_SHAPES, DECODE_MIX, GPU_SHAPES, VARLEN_MIX
 from flashtile.bench.inputs import make_inputs, paginate
 from flashtile.bench.metrics import forward_flops, kv_bytes, timed_flops, visible_pairs
 from flashtile.bench.refcheck import build_reference, check
-from flashtile.bench.timing import measure
+from flashtile.bench.timing import CPU_REPS, measure
 
 CPU = torch.device("cpu")
 
@@ -168,6 +168,37 @@ def test_failing_backends_become_rows_not_crashes():
     assert status == {"nope": "unsupported: no such thing", "broken": "error: KeyError: 'boom'",
                       "sdpa-math": "ok", "gpu-only": "unsupported: needs a CUDA GPU"}
     assert rows[2]["ms"] > 0 and rows[2]["tflops"] > 0
+
+
+def test_backends_are_set_up_first_then_timed_in_rotated_rounds():
+    """Note [interleaved rounds]: every backend of a case is set up before any is timed, and the rounds rotate
+    which backend goes first; a backend that fails while timed becomes an error row, the others still time."""
+    log = []
+
+    def make(name, fail_on_call=None):
+        def setup(case, inputs):
+            log.append(("setup", name))
+            calls = []
+
+            def run():
+                calls.append(1)
+                if len(calls) == fail_on_call:
+                    raise RuntimeError("lost the device")
+                log.append((name, (len(calls) - 1) // per_round))
+            return Prepared(run=run, output=lambda: None)
+        return _fake(name, setup)
+
+    assert bench_run.ROUNDS == 3  # the turns below are written out for three rounds
+    per_round = 1 + CPU_REPS  # the CPU timer's warm-up call and its repetitions
+    rows = bench_run.run([_cpu_case()], [make("a"), make("b"), make("c", fail_on_call=per_round + 1)], CPU,
+                         progress=lambda *a: None)
+    assert log[:3] == [("setup", "a"), ("setup", "b"), ("setup", "c")]
+    turns = [entry for i, entry in enumerate(log[3:], 3) if entry != log[i - 1]]  # (backend, round) in order
+    # Rounds a-b-c, b-c-a, c-a-b; c fails on the first call of its second round and sits out the rest.
+    assert turns == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    status = {r["backend"]: r["status"] for r in rows}
+    assert status == {"a": "ok", "b": "ok", "c": "error: RuntimeError: lost the device"}
+    assert all(r["ms"] > 0 for r in rows if r["status"] == "ok")
 
 
 def test_rows_are_handed_over_after_every_case():

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--refcheck", action="store_true",
                        help="check every output against the fp64 reference first")
     bench.add_argument("--rep-ms", type=int, default=100,
-                       help="GPU: milliseconds of repetitions per measurement")
+                       help="GPU: milliseconds of repetitions per case and backend, split over the "
+                            "interleaved timing rounds (bench/run.py)")
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--csv", metavar="PATH")
     bench.add_argument("--plot", metavar="PATH", help="PNG of grouped bars (needs matplotlib)")

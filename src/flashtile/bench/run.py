@@ -1,10 +1,18 @@
-"""Runs a benchmark: per case, inputs made once; per backend, setup, --refcheck, timing; one row each.
+"""Runs a benchmark: per case, inputs made once; per backend, setup and --refcheck; then every backend timed in
+interleaved rounds (Note [interleaved rounds]); one row each.
 
 A backend's failure never stops the run. `Unsupported` and NotImplementedError become "unsupported: why"
 (SDPA's refusal to run a forced kernel is one too, with the warning that says why), anything else "error:
 what", and the next backend runs. Rows are flat dicts, long format: one per (case, backend), with the case's
 fields, the timing, TFLOP/s (and TB/s in decode), the refcheck verdict and, on flashtile's rows, its speed
 relative to the fastest other backend that passed.
+
+Note [interleaved rounds]: a GPU that has idled for a few seconds (a backend compiling, inputs being made) runs
+the next kernels faster for a while: on the H200, d128 forward at S=16k read 568 TFLOP/s as the first backend
+timed in a process and 503-510 when it came second (PERF.md, run S4-10); the ratio to the other backend moved by
+up to 15% with the order alone. So every backend of a case is set up first (compiled, checked), and then timed
+in ROUNDS rounds of rep_ms / ROUNDS each, the order rotated by one backend per round, and each row's median and
+percentiles are taken over all its rounds' repetitions: each backend meets the same mix of machine states.
 
 What this module does not do: format or write results (report.py, plot.py) or parse arguments (cli.py).
 """
@@ -22,7 +30,9 @@ from flashtile.bench.cases import Case
 from flashtile.bench.inputs import make_inputs
 from flashtile.bench.metrics import kv_bytes, timed_flops
 from flashtile.bench.refcheck import build_reference, check
-from flashtile.bench.timing import measure
+from flashtile.bench.timing import sample, summarize
+
+ROUNDS = 3  # timing rounds per case, in rotated backend order (Note [interleaved rounds])
 
 # SDPA with a forced backend raises these when that backend cannot take the case.
 _SDPA_REFUSALS = ("No available kernel", "No viable backend")
@@ -40,10 +50,16 @@ def _status(e: BaseException, caught: list) -> str:
     return f"error: {type(e).__name__}: {first}"
 
 
-def run_backend(case: Case, inputs, backend: Backend, device: torch.device, reference, rep_ms: int) -> dict:
+def _row(case: Case, backend: Backend) -> dict:
     row = {"backend": backend.name, "case": case.label(), **case.fields(), "status": "ok"}
-    row |= dict.fromkeys(("ms", "p20", "p80", "tflops", "tbps", "refcheck", "ref_err", "ref_bound", "vs_best",
-                          "best_other", "timer"))
+    return row | dict.fromkeys(("ms", "p20", "p80", "tflops", "tbps", "refcheck", "ref_err", "ref_bound",
+                                "vs_best", "best_other", "timer"))
+
+
+def setup_backend(case: Case, inputs, backend: Backend, device: torch.device, reference):
+    """(row, prepared call): the backend set up and, with a reference, checked; prepared is None when it cannot
+    run (the row's status says why)."""
+    row = _row(case, backend)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -54,16 +70,50 @@ def run_backend(case: Case, inputs, backend: Backend, device: torch.device, refe
                 with torch.no_grad():
                     verdict = check(reference, prepared.output())
                 row.update(refcheck=str(verdict), ref_err=verdict.err, ref_bound=verdict.bound)
-            t = measure(prepared.run, prepared.leaves, device, rep_ms, graph=case.mode == "decode")
         except Exception as e:  # noqa: BLE001  (a failing backend is a row, never a crash)
             row["status"] = _status(e, caught)
             if isinstance(e, torch.OutOfMemoryError):
                 torch.cuda.empty_cache()
-            return row
-    seconds = t.ms * 1e-3
-    row.update(ms=t.ms, p20=t.p20, p80=t.p80, timer=t.timer, tflops=timed_flops(case) / seconds / 1e12)
-    if case.mode == "decode":
-        row["tbps"] = kv_bytes(case) / seconds / 1e12
+            return row, None
+    return row, prepared
+
+
+def time_backends(case: Case, live: list, device: torch.device, rep_ms: int, rounds: int = ROUNDS) -> None:
+    """Time each (row, prepared) of one case in `rounds` interleaved rounds and fill the rows in (Note
+    [interleaved rounds]). A backend that fails while timed gets an error row and leaves the rounds."""
+    times = {id(row): [] for row, _ in live}
+    timers = {}
+    for r in range(rounds):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for row, prepared in order:
+            if row["status"] != "ok":
+                continue
+            # The first call of a backend can be its refusal (SDPA with a forced kernel), whose warning says why.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    t, timers[id(row)] = sample(prepared.run, prepared.leaves, device, max(1, rep_ms // rounds),
+                                                graph=case.mode == "decode")
+                    times[id(row)] += t
+                except Exception as e:  # noqa: BLE001  (a failing backend is a row, never a crash)
+                    row["status"] = _status(e, caught)
+                    if isinstance(e, torch.OutOfMemoryError):
+                        torch.cuda.empty_cache()
+    for row, _ in live:
+        if row["status"] != "ok":
+            continue
+        t = summarize(times[id(row)], timers[id(row)])
+        seconds = t.ms * 1e-3
+        row.update(ms=t.ms, p20=t.p20, p80=t.p80, timer=t.timer, tflops=timed_flops(case) / seconds / 1e12)
+        if case.mode == "decode":
+            row["tbps"] = kv_bytes(case) / seconds / 1e12
+
+
+def run_backend(case: Case, inputs, backend: Backend, device: torch.device, reference, rep_ms: int) -> dict:
+    """One backend alone: set up, checked and timed."""
+    row, prepared = setup_backend(case, inputs, backend, device, reference)
+    if prepared is not None:
+        time_backends(case, [(row, prepared)], device, rep_ms)
     return row
 
 
@@ -111,17 +161,20 @@ def run(cases: list[Case], backends: list[Backend], device: torch.device, refche
     for case in cases:
         inputs = make_inputs(case, device)
         reference, skipped = _reference(case, inputs) if refcheck else (None, None)
-        case_rows = []
+        case_rows, live = [], []
         for backend in backends:
             progress(step, steps, f"{case.mode} {case.label()} · {backend.name}")
-            row = run_backend(case, inputs, backend, device, reference, rep_ms)
+            row, prepared = setup_backend(case, inputs, backend, device, reference)
             row["refcheck"] = row["refcheck"] or skipped
             case_rows.append(row)
+            if prepared is not None:
+                live.append((row, prepared))
             step += 1
+        time_backends(case, live, device, rep_ms)
         compare(case_rows)
         rows += case_rows
         if on_case is not None:
             on_case(rows)
-        del inputs, reference
+        del inputs, reference, live
     progress(steps, steps, "done")
     return rows

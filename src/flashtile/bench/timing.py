@@ -1,9 +1,10 @@
 """Timing a prepared call: the median and the 20th/80th percentiles of many repetitions.
 
-On a GPU this is `triton.testing.do_bench`: it sizes the warm-up and the repetition count from a first
-estimate (about `rep_ms` of repetitions), times each repetition with its own pair of CUDA events, and clears
-the L2 cache before each (a 256 MB write, outside the events) — so cold-cache time is measured, as a real
-model step sees it.
+On a GPU one round of timing is `triton.testing.do_bench`: it sizes the warm-up and the repetition count from a
+first estimate (about `rep_ms` of repetitions), times each repetition with its own pair of CUDA events, and
+clears the L2 cache before each (a 256 MB write, outside the events) — so cold-cache time is measured, as a real
+model step sees it. run.py times every backend of a case in several such rounds, interleaved (Note
+[interleaved rounds] there), and `summarize` pools the rounds' repetitions.
 
 Decode is timed with `graph=True`: the repetitions are captured into one CUDA graph and replayed
 (`triton.testing.do_bench_cudagraph`), as serving stacks run decode steps. A decode step takes a fraction of a
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-QUANTILES = (0.5, 0.2, 0.8)
 CPU_REPS = 3
 
 
@@ -36,7 +36,12 @@ class Timing:
     timer: str = "events"  # "events", "cuda graph", "eager (graph capture failed)" or "cpu"
 
 
-def measure(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = False) -> Timing:
+def sample(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = False) -> tuple[list[float], str]:
+    """One round: the time of each repetition (ms) and the timer that took them."""
+    # The leaves' gradients from an earlier round would accumulate into the first call of this one (nested
+    # tensors, SDPA's varlen layout, cannot accumulate at all): every round starts from none.
+    for t in leaves:
+        t.grad = None
     if device.type == "cuda":
         import triton.testing
 
@@ -45,14 +50,12 @@ def measure(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = 
             # inputs (and cache lengths) made there land first, or the first call reads unwritten memory.
             torch.cuda.synchronize()
             try:
-                ms, p20, p80 = triton.testing.do_bench_cudagraph(run, rep=rep_ms, quantiles=list(QUANTILES))
-                return Timing(ms, p20, p80, "cuda graph")
+                return list(triton.testing.do_bench_cudagraph(run, rep=rep_ms, return_mode="all")), "cuda graph"
             except Exception:  # noqa: BLE001  (not capturable: time it eagerly and say so)
                 torch.cuda.synchronize()
-        ms, p20, p80 = triton.testing.do_bench(
-            run, warmup=max(25, rep_ms // 4), rep=rep_ms, grad_to_none=list(leaves), quantiles=list(QUANTILES)
-        )
-        return Timing(ms, p20, p80, "eager (graph capture failed)" if graph else "events")
+        times = triton.testing.do_bench(run, warmup=max(25, rep_ms // 4), rep=rep_ms, grad_to_none=list(leaves),
+                                        return_mode="all")
+        return list(times), "eager (graph capture failed)" if graph else "events"
     run()  # warm-up: the interpreter and torch's first-call costs
     times = []
     for _ in range(CPU_REPS):
@@ -61,5 +64,17 @@ def measure(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = 
         start = time.perf_counter()
         run()
         times.append((time.perf_counter() - start) * 1e3)
+    return times, "cpu"
+
+
+def summarize(times: list[float], timer: str) -> Timing:
+    """Median and 20th/80th percentiles (linear interpolation, as do_bench computes them) of pooled repetitions."""
+    if len(times) == 1:
+        return Timing(times[0], times[0], times[0], timer)
     cuts = statistics.quantiles(times, n=5, method="inclusive")  # 20th, 40th, 60th, 80th percentiles
-    return Timing(statistics.median(times), cuts[0], cuts[3], "cpu")
+    return Timing(statistics.median(times), cuts[0], cuts[3], timer)
+
+
+def measure(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = False) -> Timing:
+    """One call timed in one round."""
+    return summarize(*sample(run, leaves, device, rep_ms, graph))
