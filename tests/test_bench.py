@@ -171,8 +171,9 @@ def test_failing_backends_become_rows_not_crashes():
 
 
 def test_backends_are_set_up_first_then_timed_in_rotated_rounds():
-    """Note [interleaved rounds]: every backend of a case is set up before any is timed, and the rounds rotate
-    which backend goes first; a backend that fails while timed becomes an error row, the others still time."""
+    """Note [interleaved rounds]: every backend of a case is set up (and called once) before any is timed, and the
+    rounds rotate which backend goes first; a backend that fails while timed becomes an error row, the others
+    still time."""
     log = []
 
     def make(name, fail_on_call=None):
@@ -184,16 +185,16 @@ def test_backends_are_set_up_first_then_timed_in_rotated_rounds():
                 calls.append(1)
                 if len(calls) == fail_on_call:
                     raise RuntimeError("lost the device")
-                log.append((name, (len(calls) - 1) // per_round))
+                log.append((name, (len(calls) - 2) // per_round))  # round -1: the setup's call
             return Prepared(run=run, output=lambda: None)
         return _fake(name, setup)
 
     assert bench_run.ROUNDS == 3  # the turns below are written out for three rounds
     per_round = 1 + CPU_REPS  # the CPU timer's warm-up call and its repetitions
-    rows = bench_run.run([_cpu_case()], [make("a"), make("b"), make("c", fail_on_call=per_round + 1)], CPU,
+    rows = bench_run.run([_cpu_case()], [make("a"), make("b"), make("c", fail_on_call=2 + per_round)], CPU,
                          progress=lambda *a: None)
-    assert log[:3] == [("setup", "a"), ("setup", "b"), ("setup", "c")]
-    turns = [entry for i, entry in enumerate(log[3:], 3) if entry != log[i - 1]]  # (backend, round) in order
+    assert log[:6] == [("setup", "a"), ("a", -1), ("setup", "b"), ("b", -1), ("setup", "c"), ("c", -1)]
+    turns = [entry for i, entry in enumerate(log[6:], 6) if entry != log[i - 1]]  # (backend, round) in order
     # Rounds a-b-c, b-c-a, c-a-b; c fails on the first call of its second round and sits out the rest.
     assert turns == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
     status = {r["backend"]: r["status"] for r in rows}

@@ -13,6 +13,8 @@ timed in a process and 503-510 when it came second (PERF.md, run S4-10); the rat
 up to 15% with the order alone. So every backend of a case is set up first (compiled, checked), and then timed
 in ROUNDS rounds of rep_ms / ROUNDS each, the order rotated by one backend per round, and each row's median and
 percentiles are taken over all its rounds' repetitions: each backend meets the same mix of machine states.
+Setting up includes one call of the timed region, so that compilation (torch.compile, Triton's JIT) never
+happens between two timed rounds.
 
 What this module does not do: format or write results (report.py, plot.py) or parse arguments (cli.py).
 """
@@ -66,6 +68,10 @@ def setup_backend(case: Case, inputs, backend: Backend, device: torch.device, re
             if device.type != "cuda" and not backend.cpu:
                 raise Unsupported("needs a CUDA GPU")
             prepared = backend.setup(case, inputs)
+            # One call here, so that every backend compiles (torch.compile, Triton) before any is timed.
+            prepared.run()
+            for t in prepared.leaves:
+                t.grad = None
             if reference is not None:
                 with torch.no_grad():
                     verdict = check(reference, prepared.output())
