@@ -68,10 +68,9 @@ def setup_backend(case: Case, inputs, backend: Backend, device: torch.device, re
             if device.type != "cuda" and not backend.cpu:
                 raise Unsupported("needs a CUDA GPU")
             prepared = backend.setup(case, inputs)
-            # One call here, so that every backend compiles (torch.compile, Triton) before any is timed.
+            # One call here, so that every backend compiles (torch.compile, Triton) before any is timed (each timing
+            # round starts by clearing the gradients this leaves).
             prepared.run()
-            for t in prepared.leaves:
-                t.grad = None
             if reference is not None:
                 with torch.no_grad():
                     verdict = check(reference, prepared.output())

@@ -148,6 +148,7 @@ def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varle
     return triton.cdiv(seqlen, block), heads, batch
 
 
+@functools.lru_cache(maxsize=64)  # a handful of page sizes per process; every paged or dense forward asks
 def fast_divisor(d: int) -> tuple[int, int]:
     """(mul, shift) with n // d == (n * mul) >> shift for every 0 <= n < 2^31, for kernels that divide by a
     runtime value (kvcache.cache_coords: rows by the page size). Division by an invariant integer (Granlund and
