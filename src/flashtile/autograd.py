@@ -71,7 +71,9 @@ class _EagerAttention(torch.autograd.Function):
 def attention(*inputs):
     """(out, lse) of flashtile::fwd's arguments, differentiable in q, k and v."""
     if untraced(inputs):
-        if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in inputs[:3]):
+        # Tangents exist only inside a forward-AD dual level (-1 outside any).
+        if forward_ad._current_level >= 0 and any(
+                t is not None and forward_ad.unpack_dual(t).tangent is not None for t in inputs[:3]):
             raise NotImplementedError("flashtile has no forward-mode AD (jvp): q, k and v must not be dual "
                                       "tensors (torch.autograd.forward_ad)")
         # autograd.Function.apply is about a fifth of an eager forward's Python time (measured on the CPU): skip

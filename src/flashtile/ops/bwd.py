@@ -17,9 +17,10 @@ import torch
 
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, head_dims, launch,
-                     prepare_launch, schedule, tile_grid, tma_ready, unpack)
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, schedule, tile_grid, tma_ready,
+                     unpack)
 from .fwd import logit_scales, lse_strides
+from .launch import Static, head_dims, launch, prepare_launch, signature
 
 
 def _grad_buffers(q, k, v, packing):
@@ -70,32 +71,36 @@ def attention_bwd(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order_dkdv = order_dq = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
-                         seqused_q is not None, seqused_k is not None, q.dtype)
-    dims = head_dims(head_dim)
-    seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    prepare_launch(q)
-
     # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads.
     delta = torch.empty_like(lse)
-    common = dict(GROUP=nheads // nheads_kv, **dims, **flags)
-    scalars = (seqlen_q, seqlen_k, batch, qk_scale, softcap2, softmax_scale, window_left, window_right)
-    strides_qkv_do = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
-                      *bmh_strides(dout, varlen))
-    tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), *scalars)
+    seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    scalars = (qk_scale, softcap2, softmax_scale)
 
-    launch(
-        _bwd_dq_kernel, "bwd_dq", head_dim,
-        lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
-        q, k, v, dout, out, dq, lse, delta, alibi_slopes, *seq_args, order_dq,
-        *strides_qkv_do, *bmh_strides(out, varlen), *bmh_strides(dq, varlen), *tail, **common,
-    )
-    launch(
-        _bwd_dkdv_kernel, "bwd_dkdv", head_dim,
-        lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen),
-        q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv,
-        *strides_qkv_do, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail, **common,
-    )
+    def static(kernel):
+        flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
+                             seqused_q is not None, seqused_k is not None, q.dtype)
+        constexprs = dict(GROUP=nheads // nheads_kv, **head_dims(head_dim), **flags)
+        strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
+                   *bmh_strides(dout, varlen))
+        tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, batch,
+                window_left, window_right)
+        if kernel == "bwd_dq":
+            return Static((*strides, *bmh_strides(out, varlen), *bmh_strides(dq, varlen), *tail), constexprs,
+                          lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen))
+        return Static((*strides, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail), constexprs,
+                      lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen))
+
+    # Everything `static` reads (Note [launch cache]): the gradients and delta are fresh allocations whose layout
+    # the inputs' shapes and the packing fix.
+    key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
+           window_left, window_right, softcap > 0.0, packing)
+    prepare_launch(q)
+    launch(_bwd_dq_kernel, "bwd_dq", head_dim, key,
+           (q, k, v, dout, out, dq, lse, delta, alibi_slopes, *seq_args, order_dq, *scalars),
+           lambda: static("bwd_dq"))
+    launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, key,
+           (q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv, *scalars),
+           lambda: static("bwd_dkdv"))
     return grads
 
 

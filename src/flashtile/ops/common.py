@@ -1,5 +1,5 @@
-"""Launch plumbing shared by the attention ops: the custom-op wrapper and its eager shortcut, packed-input views,
-strides, varlen grids and launch order, the TMA scratch allocator.
+"""Plumbing shared by the attention ops: the custom-op wrapper and its eager shortcut, packed-input views, TMA
+alignment and host descriptors, strides, varlen grids and launch order. Launching itself is ops/launch.py.
 
 Note [eager calls skip the dispatcher]: every kernel entry point is a `torch.library.custom_op` with a fake, which
 is what torch.compile, FakeTensor and the other tracing modes see. A plain eager call does not need the
@@ -21,8 +21,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import env
-from ..config import CANDIDATES, TileConfig, block_d, tile_config
+from ..config import block_d
 from ..kernels.seqlen import MAX_SORT, _schedule_kernel
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
@@ -41,17 +40,20 @@ def custom_op(name: str, mutates_args=()):
 
 # torch.func's wrappers (vmap's batched tensors, grad's tracking tensors) look like plain torch.Tensors from
 # Python; this private predicate is the only way to tell them apart, and without it vmap would reach a kernel.
-_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def untraced(args) -> bool:
     """True when a call with these arguments can run an op's implementation directly: eager mode and plain
     tensors (a tensor subclass such as FakeTensor, or a torch.func wrapper, needs the dispatcher). Note [eager
     calls skip the dispatcher]."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return (not torch.compiler.is_compiling()
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
-            and not (_functorch_wrapped is not None and any(_functorch_wrapped(t) for t in tensors)))
+    if torch.compiler.is_compiling():  # first: dynamo need not trace the checks below
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or _functorch_wrapped(a)):
+            return False
+    return True
 
 
 def call(op, *args):
@@ -85,22 +87,32 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     The copy keeps autograd intact; it only happens for unusual views (odd offsets or strides).
     """
     es = t.element_size()
+    if t.is_contiguous() and (t.data_ptr() | t.shape[-1] * es) % _TMA_ALIGN == 0:
+        return t  # every stride is a multiple of the last dim's size (the common case, checked first for speed)
     aligned = t.data_ptr() % _TMA_ALIGN == 0 and all(
         s > 0 and (s * es) % _TMA_ALIGN == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
     return t if aligned else t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def host_desc(t: torch.Tensor) -> TensorDescriptor:
+def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor over a dense (B, S, H, D) or packed (total, H, D) tensor (tma_ready), for
-    seqlen.load_rows/store_rows. Its block shape, one head's (rows, BLOCK_D) box, depends on the tile config:
-    `descriptor_blocks` sets it at launch."""
-    strides = list(t.stride())
+    seqlen.load_rows/store_rows, whose box is one head's (rows, BLOCK_D) tile. An autotuned launch resets the box
+    for each config it tries (`descriptor_blocks`)."""
+    shape, strides = list(t.shape), list(t.stride())
     # A dimension of size 1 is never stepped along, but TMA wants every stride 16-byte aligned: give it the
     # stride it would have in a contiguous tensor.
-    for i in reversed(range(t.dim() - 1)):
-        if t.shape[i] == 1:
-            strides[i] = strides[i + 1] * t.shape[i + 1]
-    return TensorDescriptor(t, list(t.shape), strides, [1] * (t.dim() - 1) + [16])
+    if 1 in shape:
+        for i in range(len(shape) - 2, -1, -1):
+            if shape[i] == 1:
+                strides[i] = strides[i + 1] * shape[i + 1]
+    box = [rows, 1, block_d(shape[-1])]
+    # Built without TensorDescriptor.__init__, whose checks (alignment, strides, block shape) repeat what
+    # tma_ready and the tile table guarantee, at 3 µs a descriptor of host time on the H200 machine (Note
+    # [launch cache] in ops/launch.py).
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, *box] if len(shape) == 4 else box,
+                         padding="zero")
+    return desc
 
 
 def descriptor_blocks(rows: dict):
@@ -164,51 +176,3 @@ def fast_divisor(d: int) -> tuple[int, int]:
 def alibi_batch_stride(alibi_slopes) -> int:
     """Slopes are (H,) or (B, H); a batch stride of 0 makes the first shape read like the second."""
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
-
-
-def _tma_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def prepare_launch(t: torch.Tensor) -> None:
-    """Kernels build TMA descriptors on the device, which needs a global scratch allocator. Triton keeps it in
-    a ContextVar, so set it on every launch: autograd runs the backward on its own thread."""
-    if not env.INTERPRET and t.is_cuda:
-        triton.set_allocator(_tma_scratch)
-
-
-def launch_opts(cfg: TileConfig) -> dict:
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-
-
-# What a tuned config may depend on: the head dim, the dtype (Triton adds argument dtypes to the key itself) and
-# the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
-# problem class serves every length.
-_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI"]
-
-
-@functools.cache
-def _autotuned(kernel, name: str, pre_hook):
-    configs = [triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
-               for c in CANDIDATES[name]]
-    return triton.autotune(configs=configs, key=_TUNE_KEY, cache_results=True)(kernel)
-
-
-def launch(kernel, name: str, head_dim: int, grid, *args, pre_hook=None, **kwargs) -> None:
-    """Launch `kernel` with the tile config of `name` (config.py) and grid(BLOCK_M, BLOCK_N); pre_hook(arguments
-    by name, the config's included) runs first, as a triton.Config pre-hook does.
-
-    With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
-    class; Triton caches the choice on disk). The interpreter always uses the table.
-    """
-    if env.autotune() and not env.INTERPRET:
-        _autotuned(kernel, name, pre_hook)[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **kwargs)
-        return
-    cfg = tile_config(name, head_dim)
-    if pre_hook is not None:
-        pre_hook(dict(zip(kernel.arg_names, args)) | kwargs | cfg.kwargs())
-    kernel[grid(cfg.block_m, cfg.block_n)](*args, **kwargs, **cfg.kwargs(), **launch_opts(cfg))
-
-
-def head_dims(head_dim: int) -> dict:
-    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim)}

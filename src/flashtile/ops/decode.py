@@ -27,7 +27,8 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, custom_op, fast_divisor, launch_opts
+from .common import alibi_batch_stride, custom_op, fast_divisor
+from .launch import launch_opts
 from .fwd import logit_scales
 
 _GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"

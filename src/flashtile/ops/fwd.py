@@ -15,13 +15,13 @@ from typing import Optional
 
 import torch
 
-from ..config import block_d
+from ..config import block_d, tile_config
 from ..kernels.fwd import _attn_fwd_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, head_dims,
-                     host_desc, launch, prepare_launch, schedule, tile_grid, tma_ready, unpack)
-
+from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, host_desc,
+                     schedule, tile_grid, tma_ready, unpack)
+from .launch import Static, head_dims, launch, prepare_launch, signature
 
 # Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both
 # ways, and varlen batches always take the other path. Only up to the head dims where it was measured: at d256
@@ -86,11 +86,6 @@ def attention_fwd(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
-                         seqused_q is not None, seqused_k is not None, q.dtype)
-    # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page ones.
-    kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
-    stride_btb, page_size, num_pages = (block_table.stride(0), k.shape[1], k.shape[0]) if paged else (0, 1, batch)
     # Note [host descriptors]: a dense batch's sequences all end at row S, so one descriptor per tensor, built
     # here and passed as a kernel parameter, bounds every sequence, in place of descriptors built per program on
     # the device (a global-memory write and a proxy fence each, a fixed cost that weighs most on short sequences,
@@ -102,25 +97,40 @@ def attention_fwd(
     # ran 6-9% slower in session 2 (the held tiles spilled), and for the streamed ones only they were no faster
     # in session 3 and crashed ptxas on some configs.
     host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
-    desc = (DESC_PACKED if varlen else DESC_DENSE) if host else DESC_ROW
-    if desc == DESC_ROW:
+    # Plain ints: comparing the kernels' tl.constexpr constants costs a microsecond each.
+    desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
+    if desc == DESC_ROW.value:
         qd, kd, vd, od = q, k, v, out
     else:
-        qd, kd, vd = (host_desc(t) for t in (q, k, v))
+        cfg = tile_config("fwd", head_dim)
+        qd, kd, vd = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n)
         # A packed batch's O is stored through per-sequence descriptors (kernels/fwd.py: DESC).
-        od = host_desc(out) if desc == DESC_DENSE else out
+        od = host_desc(out, cfg.block_m) if desc == DESC_DENSE.value else out
+
+    def static():
+        flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
+                             seqused_q is not None, seqused_k is not None, q.dtype)
+        # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page
+        # ones.
+        kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
+        stride_btb, page_size, num_pages = ((block_table.stride(0), k.shape[1], k.shape[0]) if paged
+                                            else (0, 1, batch))
+        args = (*bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen), *lse_strides(lse, varlen),
+                alibi_batch_stride(alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
+                *fast_divisor(page_size), num_pages, window_left, window_right)
+        constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, **head_dims(head_dim), **flags)
+        return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads,
+                                                                      varlen))
+
+    # Everything `static` reads: the tensors' shapes, strides, dtypes and alignment, and the integer arguments
+    # (Note [launch cache]); out and lse are fresh allocations whose layout q's shape fixes.
+    key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table),
+           window_left, window_right, softcap > 0.0)
     prepare_launch(q)
-    launch(
-        _attn_fwd_kernel, "fwd", head_dim,
-        lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen),
-        qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
-        *bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen),
-        *lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), stride_btb,
-        seqlen_q, seqlen_k, batch, page_size, *fast_divisor(page_size), num_pages,
-        qk_scale, softcap2, window_left, window_right,
-        GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, **head_dims(head_dim), **flags,
-        pre_hook=_FWD_BLOCKS,
-    )
+    launch(_attn_fwd_kernel, "fwd", head_dim, key,
+           (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
+            qk_scale, softcap2),
+           static, pre_hook=_FWD_BLOCKS)
     return out, lse
 
 

@@ -1,0 +1,193 @@
+"""Launching the prefill kernels: the tile config each takes, optional autotuning, and the launch cache through which
+a call whose shapes were seen before skips everything Triton and the launchers derive from those shapes.
+
+Note [launch cache]: on the H200 machine's host CPU a B=16, S=1k, d128 causal forward took 170-290 µs of Python
+to enqueue a kernel that runs for 205 µs (PERF.md, S5-1): `JITFunction.run` alone 46 µs (binding and
+specialising 55 arguments 15, the compiled-kernel lookup 5, the launcher 26), the launcher's own derivations
+(strides, flags, grid, descriptors, the tile config's pre-hook) most of the rest. A benchmark that clears L2
+between repetitions hides ~80 µs of that behind the clearing kernel; the rest the GPU spent waiting, so short
+sequences timed the host. A model step sees the same thing in every layer.
+
+So a launch is split in two. Its *dynamic* arguments (pointers, host TMA descriptors, float scalars) come first in
+the kernel's parameter list and are given on every call. Everything after them (strides, lengths, integer
+parameters, constexprs) together with the grid is *static*: a pure function of the call's `key`, which the
+launcher builds from what it reads (shapes, strides, dtypes, pointer alignment, integer arguments; `signature`).
+The first call with a key computes the static part (a callable, so a repeated call does not) and launches
+through Triton, which specialises and compiles as usual; the compiled kernel, grid and static arguments are kept
+under the key, and the next calls go straight to the compiled kernel's launcher with `(*dynamic, *static)`.
+
+That is only right if the key determines the static part and the specialisation of the dynamic part (Triton
+specialises pointers on 16-byte alignment, integers on being 1 or a multiple of 16, and takes None and constexprs
+as constants). `signature` puts alignment, dtype, shape and strides of every tensor in the key; under the
+interpreter (CI) and with FLASHTILE_CHECK=1, every cache hit recomputes the static part and the dynamic
+arguments' specialisation and raises if either differs from what was cached. Calls under a launch hook
+(profilers such as proton) and autotuned calls go through Triton every time.
+
+What this module does not do: decide the arguments (ops/fwd.py, ops/bwd.py) or hold the tile table (config.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.runtime import driver
+
+from .. import env
+from ..config import CANDIDATES, TileConfig, block_d, tile_config
+
+# Distinct signatures kept; a model has a few per layer shape, a varlen stream one per distinct packed total.
+MAX_CACHED = 1024
+
+
+class Static(NamedTuple):
+    """The part of a launch that its key determines."""
+    args: tuple  # the kernel's non-constexpr parameters after the dynamic ones
+    constexprs: dict  # the constexprs except the tile config's
+    grid: Callable[[int, int], tuple]  # (BLOCK_M, BLOCK_N) -> grid
+
+
+class _Entry(NamedTuple):
+    compiled: object  # triton's CompiledKernel; None under the interpreter
+    grid: tuple
+    tail: tuple  # static args then every constexpr, in parameter order: what follows the dynamic args
+    options: dict  # num_warps, num_stages
+    # For the checks: Static's args and constexprs (not its grid function, whose closure would keep the first
+    # call's tensors alive) and the dynamic arguments' specialisation.
+    args: tuple
+    constexprs: dict
+    spec: tuple
+
+
+_CACHE: dict[tuple, _Entry] = {}
+
+
+def signature(*xs) -> tuple:
+    """What a launch key needs from tensors and scalars: for a tensor its shape, strides, dtype and whether its data
+    pointer is 16-byte aligned (Triton's pointer specialisation); other values as they are."""
+    return tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) if isinstance(x, torch.Tensor) else x
+                 for x in xs)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is installed (profilers such as proton): those launches go through Triton, which
+    calls the hooks. Triton 3.6 keeps them in chains that are empty by default."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _specialisation(values) -> tuple:
+    return tuple(native_specialize_impl(BaseBackend, x, False, True, True) for x in values)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def prepare_launch(t: torch.Tensor) -> None:
+    """Kernels that build TMA descriptors on the device need a global scratch allocator. Triton keeps it in a
+    ContextVar, so set it on every launch: autograd runs the backward on its own thread."""
+    if not env.INTERPRET and t.is_cuda:
+        triton.set_allocator(_tma_scratch)
+
+
+def launch_opts(cfg: TileConfig) -> dict:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def head_dims(head_dim: int) -> dict:
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim)}
+
+
+# What a tuned config may depend on: the head dim, the dtype (Triton adds argument dtypes to the key itself) and
+# the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
+# problem class serves every length.
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI"]
+
+
+@functools.cache
+def _autotuned(kernel, name: str, pre_hook):
+    configs = [triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
+               for c in CANDIDATES[name]]
+    return triton.autotune(configs=configs, key=_TUNE_KEY, cache_results=True)(kernel)
+
+
+def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callable[[], Static],
+           pre_hook=None) -> None:
+    """Launch `kernel(*dynamic, *static().args, **static().constexprs)` with the tile config of `name`
+    (config.py) on static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note [launch cache]) when `key` is
+    not None.
+
+    With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
+    class; Triton caches the choice on disk), and `pre_hook(arguments by name)` adapts the arguments to each
+    config tried, as a triton.Config pre-hook does. The interpreter always uses the table.
+    """
+    if env.autotune() and not env.INTERPRET:
+        s = static()
+        _autotuned(kernel, name, pre_hook)[lambda meta: s.grid(meta["BLOCK_M"], meta["BLOCK_N"])](
+            *dynamic, *s.args, **s.constexprs)
+        return
+    if key is not None and not _hooked():
+        device = torch.cuda.current_device() if not env.INTERPRET else -1
+        full_key = (kernel, device, key)
+        entry = _CACHE.get(full_key)
+        if entry is not None:
+            if env.INTERPRET or env.debug_checks():
+                _check(kernel, tile_config(name, head_dim), entry, dynamic, static())
+            _launch_cached(kernel, device, entry, dynamic)
+            return
+    else:
+        full_key = None
+    s = static()
+    cfg = tile_config(name, head_dim)
+    constexprs = s.constexprs | cfg.kwargs()
+    n_args = len(dynamic) + len(s.args)
+    names = kernel.arg_names
+    if set(names[n_args:]) != constexprs.keys():
+        raise TypeError(f"{kernel.__name__}: the parameters after the {n_args} dynamic and static arguments are "
+                        f"{names[n_args:]}, the constexprs given are {sorted(constexprs)}")
+    args = (*dynamic, *s.args)
+    grid = tuple(s.grid(cfg.block_m, cfg.block_n))
+    grid += (1,) * (3 - len(grid))
+    options = launch_opts(cfg)
+    compiled = kernel[grid](*args, **constexprs, **options)
+    if full_key is not None:
+        if len(_CACHE) >= MAX_CACHED:
+            del _CACHE[next(iter(_CACHE))]
+        tail = (*s.args, *(constexprs[n] for n in names[n_args:]))
+        _CACHE[full_key] = _Entry(None if env.INTERPRET else compiled, grid, tail, options, s.args, s.constexprs,
+                                  _specialisation(dynamic))
+
+
+def _check(kernel, cfg: TileConfig, entry: _Entry, dynamic: tuple, s: Static) -> None:
+    """That the key determined everything a cache hit reuses (Note [launch cache])."""
+    grid = tuple(s.grid(cfg.block_m, cfg.block_n))
+    grid += (1,) * (3 - len(grid))
+    if (s.args, s.constexprs, grid) != (entry.args, entry.constexprs, entry.grid):
+        raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the static arguments: cached "
+                             f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {s.args}, {s.constexprs}, "
+                             f"grid {grid}")
+    if _specialisation(dynamic) != entry.spec:
+        raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the specialisation of the "
+                             f"dynamic arguments: cached {entry.spec}, now {_specialisation(dynamic)}")
+
+
+def _launch_cached(kernel, device: int, entry: _Entry, dynamic: tuple) -> None:
+    c = entry.compiled
+    if c is None:  # the interpreter: the same arguments, in the same order, through Triton
+        kernel[entry.grid](*dynamic, *entry.tail, **entry.options)
+        return
+    # What JITFunction.run does once it has found the compiled kernel, minus the launch hooks (_hooked).
+    c.run(*entry.grid, driver.active.get_current_stream(device), c.function, c.packed_metadata, None, None, None,
+          *dynamic, *entry.tail)
+
+
+def cache_info() -> int:
+    """Number of launch signatures cached (tests)."""
+    return len(_CACHE)

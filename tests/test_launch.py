@@ -1,0 +1,88 @@
+"""The launch cache (ops/launch.py, Note [launch cache]): a repeated signature launches from the cache and computes
+the same thing; whatever changes a kernel argument or its specialisation changes the key; and a key that misses
+something is caught, not run. Under the interpreter every cache hit also recomputes the static arguments and the
+dynamic ones' specialisation and compares them with the cached ones."""
+
+import pytest
+import torch
+
+import flashtile
+import flashtile.ops.bwd
+import flashtile.ops.fwd
+from flashtile.ops import launch
+from flashtile.testing import attention_ref, check_close
+
+
+def _inputs(device, seed, b=1, s=40, h=2, d=32, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3)]
+
+
+def _check(q, k, v, out, dout, **kw):
+    ref, _ = attention_ref(q, k, v, **kw)
+    base, _ = attention_ref(q, k, v, upcast=False, **kw)
+    check_close("out", out, ref, base, 2)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = torch.autograd.grad(attention_ref(q, k, v, **kw)[0], (q, k, v), dout)
+    bases = torch.autograd.grad(attention_ref(q, k, v, upcast=False, **kw)[0], (q, k, v), dout)
+    for name, ours, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
+        check_close(name, ours, r, b, 3)
+
+
+def test_repeated_signature_hits_the_cache_and_stays_exact(device, monkeypatch):
+    monkeypatch.setattr(launch, "_CACHE", {})
+    kw = dict(causal=True, softcap=5.0)
+    q, k, v = _inputs(device, 0)
+    dout = torch.randn_like(q)
+    _check(q, k, v, flashtile.flash_attn_func(q, k, v, **kw), dout, **kw)
+    assert launch.cache_info() == 3  # forward, dQ, dK/dV
+    # New data, the same shapes: every launch comes from the cache.
+    q, k, v = _inputs(device, 1)
+    _check(q, k, v, flashtile.flash_attn_func(q, k, v, **kw), dout, **kw)
+    assert launch.cache_info() == 3
+
+
+@pytest.mark.parametrize("change", ["window", "strides", "misaligned_alibi", "seqlen", "softmax_scale"])
+def test_what_changes_a_kernel_argument_changes_the_key(device, change):
+    """Each call differs from the first in one thing the kernels see; each result is checked (and, under the
+    interpreter, a hit with a stale key would raise)."""
+    q, k, v = _inputs(device, 2)
+    dout = torch.randn_like(q)
+    slopes = torch.tensor([0.5, 0.25], device=device)
+    kw = dict(window_size=(5, 3), alibi_slopes=slopes)
+    _check(q, k, v, flashtile.flash_attn_func(q, k, v, **kw), dout, **kw)
+    q2, k2, v2 = _inputs(device, 3)
+    if change == "window":
+        kw = dict(kw, window_size=(6, 3))
+    elif change == "strides":
+        q2 = torch.randn(1, 2, 40, 32, device=device, dtype=torch.float16).transpose(1, 2).requires_grad_()
+    elif change == "misaligned_alibi":
+        # A float32 view 4 bytes into its buffer: Triton specialises pointers on 16-byte alignment.
+        kw = dict(kw, alibi_slopes=torch.tensor([0.0, 0.5, 0.25], device=device)[1:])
+    elif change == "seqlen":
+        q2, k2, v2 = _inputs(device, 3, s=48)
+        dout = torch.randn_like(q2)
+    else:
+        kw = dict(kw, softmax_scale=0.3)
+    _check(q2, k2, v2, flashtile.flash_attn_func(q2, k2, v2, **kw), dout, **kw)
+
+
+def test_an_incomplete_key_is_caught(device, monkeypatch):
+    """If a launcher left something its static arguments depend on out of the key, a hit would launch with stale
+    strides or lengths: the checks refuse instead."""
+    monkeypatch.setattr(launch, "_CACHE", {})
+    monkeypatch.setattr(flashtile.ops.fwd, "signature", lambda *xs: "the same for every call")
+    monkeypatch.setenv("FLASHTILE_CHECK", "1")
+    with torch.no_grad():
+        flashtile.flash_attn_func(*_inputs(device, 4, s=40))
+        with pytest.raises(AssertionError, match="launch cache key does not determine"):
+            flashtile.flash_attn_func(*_inputs(device, 4, s=48))
+
+
+def test_the_cache_is_bounded(device, monkeypatch):
+    monkeypatch.setattr(launch, "_CACHE", {})
+    monkeypatch.setattr(launch, "MAX_CACHED", 2)
+    with torch.no_grad():
+        for s in (17, 18, 19):
+            flashtile.flash_attn_func(*_inputs(device, 5, s=s))
+    assert launch.cache_info() == 2
