@@ -15,6 +15,8 @@ launcher builds from what it reads (shapes, strides, dtypes, pointer alignment, 
 The first call with a key computes the static part (a callable, so a repeated call does not) and launches
 through Triton, which specialises and compiles as usual; the compiled kernel, grid and static arguments are kept
 under the key, and the next calls go straight to the compiled kernel's launcher with `(*dynamic, *static)`.
+Measured on the H200 machine (S5-2): the API forward 170 -> 83 µs, the backward implementation 163 -> 77 µs, and
+the S=1k cells that timed the host now time the kernels.
 
 That is only right if the key determines the static part and the specialisation of the dynamic part (Triton
 specialises pointers on 16-byte alignment, integers on being 1 or a multiple of 16, and takes None and constexprs
