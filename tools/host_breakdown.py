@@ -5,7 +5,9 @@ backward implementations, a whole forward+backward, `.backward()` alone split in
 backward), beside FlexAttention's, with the GPU kept busy by a sleep kernel so that nothing waits on it; the min and
 median of five bursts. Kernel part (--cells): each cell's time as a CUDA graph replays it (GPU time only) and as
 `triton.testing.do_bench` times it (events, L2 cleared before each repetition, as `flashtile bench` does) for
-flashtile and Flex; where the event time is above the graph time, the host is what is being timed. PERF.md, session
+flashtile and Flex; where the event time is above the graph time, the host is what is being timed. (A captured
+forward+backward also accumulates into the inputs' .grad on every replay, three extra adds that the event timing,
+which clears the gradients, does not have: compare the forward rows, or backends within a row.) PERF.md, session
 5, has what it printed on the H200 and why it matters (Note [launch cache] in ops/launch.py).
 
 Usage (GPU): PYTHONPATH=src python3 tools/host_breakdown.py [--cells] [--json PATH]
@@ -17,11 +19,12 @@ import statistics
 import time
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask
 from triton.testing import do_bench, do_bench_cudagraph
 
 import flashtile
 import flashtile.autograd
+from flashtile.bench.backends import _compiled_flex
 from flashtile.ops.bwd import attention_bwd
 from flashtile.ops.fwd import attention_fwd
 from flashtile.problem import dense_problem
@@ -159,7 +162,7 @@ def main():
     ap.add_argument("--cells", action="store_true", help="also time the cells as CUDA graphs and with events")
     ap.add_argument("--json")
     args = ap.parse_args()
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = _compiled_flex()  # the bench's: dynamo's recompile limit raised, so every cell stays compiled
     result = {"host_us_min_median": host_part(flex)}
     if args.cells:
         result["graph_events_ms"] = cells_part(flex)
