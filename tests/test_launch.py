@@ -86,3 +86,16 @@ def test_the_cache_is_bounded(device, monkeypatch):
         for s in (17, 18, 19):
             flashtile.flash_attn_func(*_inputs(device, 5, s=s))
     assert launch.cache_info() == 2
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+def test_varlen_lengths_are_not_part_of_the_key(device, monkeypatch, seqused):
+    """Sequence lengths live on the device and are read by the kernels, so a batch with other lengths but the same
+    totals launches from the cache, and must still come out right, forward and backward."""
+    from test_varlen import run_varlen
+
+    monkeypatch.setattr(launch, "_CACHE", {})
+    run_varlen(device, [20, 13, 31], [24, 9, 31], causal=True, seqused=seqused)
+    cached = launch.cache_info()
+    run_varlen(device, [31, 20, 13], [9, 31, 24], causal=True, seqused=seqused, seed=1)
+    assert launch.cache_info() == cached

@@ -67,6 +67,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
     return dk, dv
 
 
+# Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
+# cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
@@ -162,6 +164,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
     return dq
 
 
+# Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
+# cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, O, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,

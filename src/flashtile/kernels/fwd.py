@@ -110,6 +110,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
     return acc, l_i, m_i
 
 
+# Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
+# cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE,
