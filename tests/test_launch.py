@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import flashtile
-import flashtile.ops.bwd
 import flashtile.ops.fwd
 from flashtile.ops import launch
 from flashtile.testing import attention_ref, check_close
