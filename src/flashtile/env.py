@@ -4,7 +4,8 @@
   Triton under ``TRITON_CACHE_DIR``) instead of taking them from the table in :mod:`flashtile.config`.
 - ``FLASHTILE_CHECK=1``: run the input checks that need a device-to-host copy (for example that ``cu_seqlens`` is
   non-decreasing, or that block-table entries are in range). Off by default because such a copy synchronises the
-  device and breaks CUDA-graph capture.
+  device and breaks CUDA-graph capture. It also makes every launch-cache hit re-derive what it reuses and compare
+  (ops/launch.py, Note [launch cache]; always on under the interpreter).
 - ``TRITON_INTERPRET=1`` (Triton's own): kernels run on the CPU through Triton's interpreter. Read once, at
   import, exactly as Triton reads it.
 """

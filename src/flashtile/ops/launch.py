@@ -155,8 +155,7 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
         raise TypeError(f"{kernel.__name__}: the parameters after the {n_args} dynamic and static arguments are "
                         f"{names[n_args:]}, the constexprs given are {sorted(constexprs)}")
     args = (*dynamic, *s.args)
-    grid = tuple(s.grid(cfg.block_m, cfg.block_n))
-    grid += (1,) * (3 - len(grid))
+    grid = _grid(s, cfg)
     options = launch_opts(cfg)
     compiled = kernel[grid](*args, **constexprs, **options)
     if full_key is not None:
@@ -167,10 +166,14 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
                                   _specialisation(dynamic))
 
 
+def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:
+    grid = tuple(s.grid(cfg.block_m, cfg.block_n))
+    return grid + (1,) * (3 - len(grid))
+
+
 def _check(kernel, cfg: TileConfig, entry: _Entry, dynamic: tuple, s: Static) -> None:
     """That the key determined everything a cache hit reuses (Note [launch cache])."""
-    grid = tuple(s.grid(cfg.block_m, cfg.block_n))
-    grid += (1,) * (3 - len(grid))
+    grid = _grid(s, cfg)
     if (s.args, s.constexprs, grid) != (entry.args, entry.constexprs, entry.grid):
         raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the static arguments: cached "
                              f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {s.args}, {s.constexprs}, "
