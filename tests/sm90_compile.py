@@ -30,7 +30,7 @@ SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
-I32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
+I32_POINTERS = {"READY", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE", "CU_TILED",
                 "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
@@ -78,13 +78,13 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 _DENSE = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
               MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-              DOT_PRECISION="tf32")
+              DOT_PRECISION="tf32", PDL=True)
 FLAG_SETS = {
     "dense": _DENSE,
     "causal": dict(_DENSE, MASK_RIGHT=True),
     "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
-                DOT_PRECISION="tf32"),
+                DOT_PRECISION="tf32", PDL=True),
     "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, DESC=0,
                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
                   DOT_PRECISION="tf32"),

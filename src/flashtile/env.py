@@ -6,6 +6,8 @@
   non-decreasing, or that block-table entries are in range). Off by default because such a copy synchronises the
   device and breaks CUDA-graph capture. It also makes every launch-cache hit re-derive what it reuses and compare
   (ops/launch.py, Note [launch cache]; always on under the interpreter).
+- ``FLASHTILE_PDL=0``: launch the backward's dK/dV kernel without programmatic dependent launch (on by default on
+  sm_90 and later: kernels/bwd.py, Note [delta handoff]). For measuring what it gains.
 - ``TRITON_INTERPRET=1`` (Triton's own): kernels run on the CPU through Triton's interpreter. Read once, at
   import, exactly as Triton reads it.
 """
@@ -22,6 +24,10 @@ INTERPRET: bool = _flag("TRITON_INTERPRET")
 
 def autotune() -> bool:
     return _flag("FLASHTILE_AUTOTUNE")
+
+
+def pdl() -> bool:
+    return os.environ.get("FLASHTILE_PDL", "1").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def debug_checks() -> bool:

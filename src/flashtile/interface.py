@@ -25,7 +25,8 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
          cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, block_table=None):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    # The backward has no atomics (see ops/bwd.py), so it is bitwise reproducible whatever `deterministic` says.
+    # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
+    # `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
     out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                          p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap, packing)
@@ -65,8 +66,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: if > 0, scores (already scaled) become softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch_size, nheads), float32. Adds -slope * |i + seqlen_k - seqlen_q - j| to
             the score of query i and key j.
-        deterministic: accepted for compatibility. flashtile's backward is always bitwise reproducible: it has no
-            atomics (an atomic-dQ schedule measured 1.5-2x slower on H200; see PERF.md).
+        deterministic: accepted for compatibility. flashtile's backward is always bitwise reproducible: it sums
+            no gradient with atomics (atomic-dQ schedules measured 1.5-3x slower on H200; see PERF.md).
         return_attn_probs: if True, also return softmax_lse and an empty S_dmask (testing only).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).

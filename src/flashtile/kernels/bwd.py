@@ -8,8 +8,25 @@ Two kernels, each its own parallelisation, launched in this order:
                           but deterministic and free of an fp32 dQ buffer.
   _bwd_dkdv_kernel        one program per (key tile, KV head, seq). It holds K, V and the dK, dV accumulators on
                           chip and walks the query tiles of every query head in its GQA group, so dK/dV are summed
-                          over the group in registers: no atomics, bitwise deterministic. It reads delta as the
-                          dQ kernel stored it, which the launch order (one stream) guarantees is complete.
+                          over the group in registers: no atomics on gradients, bitwise deterministic. It reads
+                          delta as the dQ kernel stored it (Note [delta handoff]).
+
+Note [delta handoff]: both grids end in a part-filled wave (at B*S = 16k tokens and 16 heads, 2048 dQ programs one
+per SM and 4096 dK/dV programs two per SM are 15.5 waves on 132 SMs), and the dK/dV grid would wait for the dQ
+grid's last programs with SMs idle. So on sm_90 the dK/dV kernel is launched with programmatic dependent launch:
+its programs may start once every dQ program has started (each dQ program allows it first thing), and take the SMs
+the dQ grid's last wave leaves free. What dK/dV needs from dQ is delta. Each dQ program publishes its rows when it
+ends: a CTA barrier (every thread's delta stores are done), then one thread's release add of the row count to a
+per-(sequence, head) counter. A dK/dV program spins on an acquire load until its head's counter reaches the
+sequence's query length, then reads delta. The dK/dV programs that start early are the first heads', whose dQ
+programs ran in the first waves. No deadlock: the programs waited on have all started, so they run to completion.
+Before exiting, each dK/dV program waits for the whole dQ grid (griddepcontrol.wait), so the kernel ends after dQ
+is written and work queued behind it sees both. Without PDL (the interpreter, FLASHTILE_PDL=0, GPUs before sm_90)
+the kernels run one after the other and the counters are complete before dK/dV reads them. The counters count
+rows, not programs, so they hold whatever tile the dQ kernel was autotuned to.
+Publishing before the dQ main loop instead (as early as delta is known) made the causal d64 dQ kernel fault on the
+H200 at its (64, 64, 4, 2) tile ("unspecified launch failure" inside the pipelined key loop; the same code without
+the barrier and add ran): PERF.md, session 6.
 
 Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse * log2(e):
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
@@ -29,9 +46,19 @@ descriptors too, as the forward does, measured no faster and crashed ptxas on so
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
 from .seqlen import load_once, row_desc, seq_info, store_once, tile_coords
+
+
+@triton.jit
+def _wait_delta(ready, rows):
+    """Spin until the dQ programs have published `rows` delta rows through the counter `ready` (Note [delta
+    handoff]); the acquire makes their stores visible to this program's later loads."""
+    done = tl.atomic_add(ready, 0, sem="acquire", scope="gpu")
+    while done < rows:
+        done = tl.atomic_add(ready, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
@@ -71,7 +98,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
 # cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
+    Q, K, V, DO, DK, DV, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     qk_scale, softcap2, softmax_scale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -84,7 +111,7 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
     b, pid_n = tile_coords(SCHEDULE, batch, BLOCK_N, False, IS_VARLEN)
@@ -118,6 +145,7 @@ def _bwd_dkdv_kernel(
                            seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
         LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
+        _wait_delta(READY + b * tl.num_programs(1) * GROUP + h, seqlen_q)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
@@ -134,6 +162,10 @@ def _bwd_dkdv_kernel(
                dk * softmax_scale, HEAD_DIM)
     store_once(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh, n_start, seqlen_k, stride_dvn,
                dv, HEAD_DIM)
+    if PDL:
+        # Returns once the dQ grid has finished and its writes are visible, so that work queued after this kernel
+        # also finds dQ complete (Note [delta handoff]).
+        gdc_wait()
 
 
 @triton.jit
@@ -168,7 +200,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
 # cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, O, DQ, LSE, DELTA, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
+    Q, K, V, DO, O, DQ, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     qk_scale, softcap2, softmax_scale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -181,8 +213,10 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
     b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -233,3 +267,8 @@ def _bwd_dq_kernel(
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     store_once(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh, m_start, seqlen_q, stride_dqm,
                dq * softmax_scale, HEAD_DIM)
+    # Every thread's delta stores happen before one thread's release add: dK/dV programs of this head waiting for
+    # these rows may read them.
+    tl.debug_barrier()
+    tl.atomic_add(READY + b * tl.num_programs(1) + h, tl.minimum(seqlen_q - m_start, BLOCK_M), sem="release",
+                  scope="gpu")

@@ -5,8 +5,10 @@ Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
 reproducible. Varlen batches get the forward's tile lists (kernels/seqlen.py): dQ tiles cost in proportion to
 their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest sequences first. Two
-launches, in that order on one stream: dK/dV reads the delta the dQ kernel wrote. Packed inputs get their
-gradients written into one buffer of the packed shape.
+launches, in that order on one stream: dK/dV reads the delta the dQ kernel wrote, through per-(sequence, head)
+counters that let it start on the SMs the dQ grid's last wave leaves idle, launched with programmatic dependent
+launch on sm_90 (Note [delta handoff] in kernels/bwd.py; FLASHTILE_PDL=0 switches that off). Packed inputs get
+their gradients written into one buffer of the packed shape.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, schedule, tile_grid, tma_ready,
-                     unpack)
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule, tile_grid,
+                     tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 from .launch import Static, head_dims, launch, prepare_launch, signature
 
@@ -71,15 +73,18 @@ def attention_bwd(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order_dkdv = order_dq = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads.
+    # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads; `ready` counts them per
+    # (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
+    ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
+    pdl = pdl_supported(q.device)
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     scalars = (qk_scale, softcap2, softmax_scale)
 
     def static(kernel):
         flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
                              seqused_q is not None, seqused_k is not None, q.dtype)
-        constexprs = dict(GROUP=nheads // nheads_kv, **head_dims(head_dim), **flags)
+        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                    *bmh_strides(dout, varlen))
         tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, batch,
@@ -93,14 +98,14 @@ def attention_bwd(
     # Everything `static` reads (Note [launch cache]): the gradients and delta are fresh allocations whose layout
     # the inputs' shapes and the packing fix.
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
-           window_left, window_right, softcap > 0.0, packing)
+           window_left, window_right, softcap > 0.0, packing, pdl)
     prepare_launch(q)
     launch(_bwd_dq_kernel, "bwd_dq", head_dim, key,
-           (q, k, v, dout, out, dq, lse, delta, alibi_slopes, *seq_args, order_dq, *scalars),
+           (q, k, v, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
            lambda: static("bwd_dq"))
     launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, key,
-           (q, k, v, dout, dk, dv, lse, delta, alibi_slopes, *seq_args, order_dkdv, *scalars),
-           lambda: static("bwd_dkdv"))
+           (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args, order_dkdv, *scalars),
+           lambda: static("bwd_dkdv"), pdl=pdl)
     return grads
 
 

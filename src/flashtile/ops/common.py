@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import env
 from ..config import block_d
 from ..kernels.seqlen import MAX_SORT, _schedule_kernel
 
@@ -79,6 +80,19 @@ def unpack(q, k, v, packing: int):
     if packing == PACK_KV:
         return q, k.select(-3, 0), k.select(-3, 1)
     return q, k, v
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched with programmatic dependent launch (sm_90 and later, not under
+    the interpreter, not switched off with FLASHTILE_PDL=0)."""
+    if env.INTERPRET or device.type != "cuda" or not env.pdl():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:

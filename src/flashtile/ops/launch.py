@@ -59,7 +59,7 @@ class _Entry(NamedTuple):
     compiled: object  # triton's CompiledKernel; None under the interpreter
     grid: tuple
     tail: tuple  # static args then every constexpr, in parameter order: what follows the dynamic args
-    options: dict  # num_warps, num_stages
+    options: dict  # num_warps, num_stages, launch_pdl
     # For the checks: Static's args and constexprs (not its grid function, whose closure would keep the first
     # call's tensors alive) and the dynamic arguments' specialisation.
     args: tuple
@@ -121,7 +121,7 @@ def _autotuned(kernel, name: str, pre_hook):
 
 
 def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callable[[], Static],
-           pre_hook=None) -> None:
+           pre_hook=None, pdl: bool = False) -> None:
     """Launch `kernel(*dynamic, *static().args, **static().constexprs)` with the tile config of `name`
     (config.py) on static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note [launch cache]) when `key` is
     not None.
@@ -129,6 +129,9 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
     With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
     class; Triton caches the choice on disk), and `pre_hook(arguments by name)` adapts the arguments to each
     config tried, as a triton.Config pre-hook does. The interpreter always uses the table.
+
+    `pdl`: launch with programmatic dependent launch (sm_90+), so that the kernel's programs may start while the
+    previous kernel's last ones still run; the kernel must itself wait for what it reads from that kernel.
     """
     if env.autotune() and not env.INTERPRET:
         s = static()
@@ -156,7 +159,7 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
                         f"{names[n_args:]}, the constexprs given are {sorted(constexprs)}")
     args = (*dynamic, *s.args)
     grid = _grid(s, cfg)
-    options = launch_opts(cfg)
+    options = launch_opts(cfg) | ({"launch_pdl": True} if pdl else {})
     compiled = kernel[grid](*args, **constexprs, **options)
     if full_key is not None:
         if len(_CACHE) >= MAX_CACHED:
