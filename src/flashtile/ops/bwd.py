@@ -19,8 +19,8 @@ import torch
 
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule, tile_grid,
-                     tma_ready, unpack)
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule,
+                     tile_grid, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 from .launch import Static, head_dims, launch, prepare_launch, signature
 
