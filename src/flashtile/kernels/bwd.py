@@ -24,7 +24,8 @@ Before exiting, each dK/dV program waits for the whole dQ grid (griddepcontrol.w
 is written and work queued behind it sees both. Without PDL (the interpreter, FLASHTILE_PDL=0, GPUs before sm_90)
 the kernels run one after the other and the counters are complete before dK/dV reads them; the CPU tests run the
 same spin, so a count that falls short hangs a test there (pytest-timeout fails it), not first a GPU. The counters
-count rows, not programs, so they hold whatever tile the dQ kernel was autotuned to.
+count rows, not programs, so they hold whatever tile the dQ kernel was autotuned to. Calls captured into a CUDA
+graph launch without PDL (ops/bwd.py): that combination has not been run on our GPU.
 Publishing before the dQ main loop instead (as early as delta is known) made the causal d64 dQ kernel fault on the
 H200 at its (64, 64, 4, 2) tile ("unspecified launch failure" inside the pipelined key loop; the same code without
 the barrier and add ran): PERF.md, session 6.

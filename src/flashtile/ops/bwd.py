@@ -77,7 +77,8 @@ def attention_bwd(
     # (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
     ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
-    pdl = pdl_supported(q.device)
+    # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
+    pdl = pdl_supported(q.device) and not torch.cuda.is_current_stream_capturing()
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     scalars = (qk_scale, softcap2, softmax_scale)
 
