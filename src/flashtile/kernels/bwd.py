@@ -20,12 +20,13 @@ ends: a CTA barrier (every thread's delta stores are done), then one thread's re
 per-(sequence, head) counter. A dK/dV program spins on an acquire load until its head's counter reaches the
 sequence's query length, then reads delta. The dK/dV programs that start early are the first heads', whose dQ
 programs ran in the first waves. No deadlock: the programs waited on have all started, so they run to completion.
-Before exiting, each dK/dV program waits for the whole dQ grid (griddepcontrol.wait), so the kernel ends after dQ
-is written and work queued behind it sees both. Without PDL (the interpreter, FLASHTILE_PDL=0, GPUs before sm_90)
-the kernels run one after the other and the counters are complete before dK/dV reads them; the CPU tests run the
-same spin, so a count that falls short hangs a test there (pytest-timeout fails it), not first a GPU. The counters
-count rows, not programs, so they hold whatever tile the dQ kernel was autotuned to. Calls captured into a CUDA
-graph launch without PDL (ops/bwd.py): that combination has not been run on our GPU.
+Before exiting, each dK/dV program (one with no keys too) waits for the whole dQ grid (griddepcontrol.wait), so
+the kernel ends after dQ is written and work queued behind it sees both. Without PDL (the interpreter,
+FLASHTILE_PDL=0, GPUs before sm_90) the kernels run one after the other and the counters are complete before dK/dV
+reads them; the CPU tests run the same spin, so a count that falls short hangs a test there (pytest-timeout fails
+it), not first a GPU. The counters count rows, not programs, so they hold whatever tile the dQ kernel was
+autotuned to. Calls captured into a CUDA graph launch without PDL (ops/bwd.py): that combination has not been run
+on our GPU.
 Publishing before the dQ main loop instead (as early as delta is known) made the causal d64 dQ kernel fault on the
 H200 at its (64, 64, 4, 2) tile ("unspecified launch failure" inside the pipelined key loop; the same code without
 the barrier and add ran): PERF.md, session 6.
@@ -122,6 +123,8 @@ def _bwd_dkdv_kernel(
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
     n_start = pid_n * BLOCK_N
     if n_start >= seqlen_k:
+        if PDL:
+            gdc_wait()  # even a program with no keys ends after the dQ grid (Note [delta handoff])
         return
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
