@@ -15,8 +15,8 @@
 import os
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+def _flag(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
 
 
 INTERPRET: bool = _flag("TRITON_INTERPRET")
@@ -27,7 +27,7 @@ def autotune() -> bool:
 
 
 def pdl() -> bool:
-    return os.environ.get("FLASHTILE_PDL", "1").strip().lower() not in ("", "0", "false", "no", "off")
+    return _flag("FLASHTILE_PDL", default="1")
 
 
 def debug_checks() -> bool:
