@@ -1,4 +1,5 @@
-"""Compile flashtile's prefill kernels for sm_90 on a machine without a GPU, and report shared memory.
+"""Compile flashtile's prefill kernels (Triton, and the Gluon Hopper ones) for sm_90 on a machine without a GPU,
+and report shared memory.
 
 Run as a script (it must not see TRITON_INTERPRET): `python tests/sm90_compile.py [--all-flags] [--ptxas]`.
 Prints one JSON line per compiled kernel: kernel, head dim, config, flags, shared bytes, and whether the PTX uses
@@ -20,11 +21,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from flashtile.config import production_configs  # noqa: E402
+from flashtile.config import HOPPER, production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
 from flashtile.kernels.seqlen import MAX_SORT, _schedule_kernel  # noqa: E402
 from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from flashtile.kernels.hopper_bwd import _hopper_dkdv_kernel  # noqa: E402
+from flashtile.kernels.hopper_fwd import _hopper_fwd_kernel  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
@@ -91,6 +96,36 @@ FLAG_SETS = {
 }
 
 
+# The Gluon Hopper kernels (ops/hopper.py): descriptor arguments -> the tile-config field giving their box rows.
+HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel}
+HOPPER_DESCS = {"q_desc": "block_m", "o_desc": "block_m", "k_desc": "block_n", "v_desc": "block_n",
+                "do_desc": "block_m", "dk_desc": "block_n", "dv_desc": "block_n"}
+# (MASK_LEFT, MASK_RIGHT): no mask, causal, sliding window.
+HOPPER_MASKS = {"dense": (False, False), "causal": (False, True), "window": (True, True)}
+
+
+def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right: bool, group: int = 2):
+    """One Gluon Hopper kernel for sm_90, with the descriptors ops/hopper.py builds ((1, rows, 1, D) boxes)."""
+    fn = HOPPER_KERNELS[kernel]
+    signature = {}
+    for name in fn.arg_names:
+        if name in HOPPER_DESCS:
+            box = [1, getattr(cfg, HOPPER_DESCS[name]), 1, head_dim]
+            layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+            signature[name] = f"tensordesc<bf16[{','.join(map(str, box))}],{layout!r}>"
+        elif name in FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name in FP32_SCALARS:
+            signature[name] = "fp32"
+        elif name.isupper():
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "i32"
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, **cfg.kwargs())
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def ptxas_report(ptx: str) -> dict:
     """Registers and spill bytes of one kernel, from `ptxas -v` (the copy inside Triton's wheel)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -124,6 +159,17 @@ def main(argv):
             if "--ptxas" in argv:
                 row |= ptxas_report(ptx)
             print(json.dumps(row), flush=True)
+    for kernel, by_d in HOPPER.items():
+        for d, cfg in by_d.items():
+            for mask_name, (mask_left, mask_right) in HOPPER_MASKS.items():
+                c = compile_hopper(kernel, d, cfg, mask_left, mask_right)
+                ptx = c.asm["ptx"]
+                row = {"kernel": f"hopper_{kernel}", "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.stages],
+                       "flags": mask_name, "shared": c.metadata.shared, "wgmma": "wgmma" in ptx,
+                       "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
+                if "--ptxas" in argv:
+                    row |= ptxas_report(ptx)
+                print(json.dumps(row), flush=True)
     c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
                                               COST_PACKED=True), 4, 1)
     print(json.dumps({"kernel": "schedule", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)

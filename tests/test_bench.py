@@ -170,6 +170,15 @@ def test_failing_backends_become_rows_not_crashes():
     assert rows[2]["ms"] > 0 and rows[2]["tflops"] > 0
 
 
+@pytest.mark.parametrize("mode, expected", [("fwd", "fwd=triton"),
+                                            ("fwdbwd", "fwd=triton bwd_dq=triton bwd_dkdv=triton")])
+def test_flashtile_rows_say_which_kernels_ran(mode, expected):
+    """The interpreter runs the Triton kernels; on an H200 the same field says gluon-sm90 where the fast path ran."""
+    rows = bench_run.run([_cpu_case(mode, seqlen_q=8, seqlen_k=8)], [BACKENDS["flashtile"], BACKENDS["sdpa-math"]],
+                         CPU, progress=lambda *a: None)
+    assert [r["kernels"] for r in rows] == [expected, None]
+
+
 def test_backends_are_set_up_first_then_timed_in_rotated_rounds():
     """Note [interleaved rounds]: every backend of a case is set up (and called once) before any is timed, and the
     rounds rotate which backend goes first; a backend that fails while timed becomes an error row, the others

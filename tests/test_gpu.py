@@ -8,6 +8,7 @@ import torch
 
 import flashtile
 from flashtile.ops.common import pdl_supported
+from flashtile.ops.hopper import hopper_unsupported
 from test_attention import MASKS, run_case
 
 pytestmark = pytest.mark.gpu
@@ -64,6 +65,7 @@ def test_pdl_backward_matches_serial(device, monkeypatch, head_dim, causal, nhea
                         requires_grad=True) for _ in range(2))
     dout = torch.randn_like(q)
     grads = {}
+    monkeypatch.setenv("FLASHTILE_HOPPER", "0")  # the handoff is between the Triton kernels
     for pdl in ("1", "0", "1"):
         monkeypatch.setenv("FLASHTILE_PDL", pdl)
         out = flashtile.flash_attn_func(q, k, v, causal=causal)
@@ -71,6 +73,84 @@ def test_pdl_backward_matches_serial(device, monkeypatch, head_dim, causal, nhea
         for a, b in zip(grads.setdefault(pdl, now), now):
             assert torch.equal(a, b)
     for a, b in zip(grads["1"], grads["0"]):
+        assert torch.equal(a, b)
+
+
+GLUON = {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "gluon-sm90"}
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv): lengths off the kernels' 128-row tiles, one row, more queries
+# than keys (rows that see no key under a causal mask), GQA and MQA.
+HOPPER_CASES = [(2, 1, 1, 4, 4), (1, 17, 33, 4, 2), (2, 100, 300, 4, 1), (1, 300, 100, 4, 4),
+                (2, 1023, 1025, 4, 2), (1, 640, 640, 8, 8)]
+
+
+def _need_hopper(device, head_dim=128):
+    """Skip unless the Gluon kernels run here; then calls with other head dims or softcap must not take them."""
+    reason = hopper_unsupported(torch.device(device), torch.bfloat16, head_dim)
+    if reason is not None:
+        pytest.skip(f"the Gluon Hopper kernels do not run here: {reason}")
+
+
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "b{}_{}x{}_h{}kv{}".format(*c))
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "left", "right"])
+def test_hopper_path(device, case, mask):
+    """The Gluon kernels (Note [hopper path]) against the fp64 oracle, and that they are what ran."""
+    head_dim = 128
+    _need_hopper(device, head_dim)
+    causal, window = MASKS[mask]
+    dtype = torch.float16 if case[1] % 2 else torch.bfloat16
+    run_case(device, *case, head_dim, dtype, causal, window)
+    assert flashtile.last_kernel_paths() == GLUON
+    q = torch.empty(case[0], case[1], case[3], head_dim, device=device, dtype=dtype)
+    k = torch.empty(case[0], case[2], case[4], head_dim, device=device, dtype=dtype)
+    assert flashtile.kernel_paths(q, k, k, causal=causal, window_size=window) == dict(GLUON, reason=None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_packed_and_switch(device, monkeypatch, causal):
+    """Packed qkv (strided views, one gradient buffer) through the Gluon kernels gives what separate tensors give,
+    and FLASHTILE_HOPPER=0 runs the Triton kernels, whose results agree to rounding."""
+    _need_hopper(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    qkv = torch.randn(2, 777, 3, 8, 128, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    dout = torch.randn(2, 777, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+    out = flashtile.flash_attn_qkvpacked_func(qkv, causal=causal)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    assert flashtile.last_kernel_paths() == GLUON
+    q, k, v = (qkv[:, :, i].detach().clone().requires_grad_() for i in range(3))
+    out2 = flashtile.flash_attn_func(q, k, v, causal=causal)
+    grads2 = torch.autograd.grad(out2, (q, k, v), dout)
+    assert torch.equal(out, out2)
+    for i in range(3):
+        assert torch.equal(dqkv[:, :, i], grads2[i])
+    for d, kw in ((64, {}), (128, dict(softcap=5.0))):
+        x = torch.empty(1, 8, 2, d, device=device, dtype=torch.bfloat16)
+        assert flashtile.kernel_paths(x, x, x, **kw)["fwd"] == "triton"
+        flashtile.flash_attn_func(x.normal_(), x, x, **kw)
+        assert flashtile.last_kernel_paths()["fwd"] == "triton"
+    monkeypatch.setenv("FLASHTILE_HOPPER", "0")
+    assert flashtile.kernel_paths(q, k, v, causal=causal)["reason"] == "switched off by FLASHTILE_HOPPER=0"
+    out3 = flashtile.flash_attn_func(q, k, v, causal=causal)
+    grads3 = torch.autograd.grad(out3, (q, k, v), dout)
+    assert flashtile.last_kernel_paths() == {"fwd": "triton", "bwd_dq": "triton", "bwd_dkdv": "triton"}
+    for a, b in zip((out2, *grads2), (out3, *grads3)):
+        assert (a.float() - b.float()).abs().max().item() <= 0.02 * b.float().abs().max().item()
+
+
+def test_hopper_under_torch_compile(device):
+    """torch.compile(fullgraph=True) over forward and backward reaches the Gluon kernels through the custom ops,
+    with the eager route's results bitwise."""
+    _need_hopper(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 128, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    results = []
+    for fn in (flashtile.flash_attn_func,
+               torch.compile(flashtile.flash_attn_func, fullgraph=True, backend="aot_eager")):
+        out = fn(q, k, v, causal=True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+        assert flashtile.last_kernel_paths() == GLUON
+    for a, b in zip(*results):
         assert torch.equal(a, b)
 
 

@@ -81,6 +81,35 @@ CANDIDATES: dict[str, list[TileConfig]] = {
 }
 
 
+@dataclass(frozen=True)
+class HopperConfig:
+    """A tile of the Gluon Hopper kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py): each consumer warpgroup's
+    rows (block_m queries or block_n keys), the ring depth, and the registers setmaxnreg gives the partitions."""
+    block_m: int
+    block_n: int
+    stages: int
+    consumer_regs: int = 240
+    loader_regs: int = 24
+    source: str = ""
+
+    def kwargs(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
+                "CONSUMER_REGS": self.consumer_regs, "LOADER_REGS": self.loader_regs}
+
+
+_HOPPER_FWD = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 x in-warpgroup overlap on/off at S=1k/4k/16k, "
+               "causal and not; 3 stages with overlap fastest in all six (PERF.md, S7-0)")
+_HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k/16k; 3 faster at 1k and 16k, "
+                "even at 4k, 1.5% slower at 1k causal (PERF.md, S7-0)")
+
+# Gluon Hopper kernels, sm_90 only: kernel -> head dim (exact: others run the Triton kernels) -> config. d128 only:
+# at d64 the same structure ran the standard sweep's S=1k forward slower than the Triton kernel (PERF.md, S7-1).
+HOPPER: dict[str, dict[int, HopperConfig]] = {
+    "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD)},
+    "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV)},
+}
+
+
 def block_d(head_dim: int) -> int:
     """Head dim as the kernels tile it: a power of two, at least 16 (the smallest tl.dot K)."""
     return max(16, 1 << (head_dim - 1).bit_length())

@@ -8,6 +8,8 @@
   (ops/launch.py, Note [launch cache]; always on under the interpreter).
 - ``FLASHTILE_PDL=0``: launch the backward's dK/dV kernel without programmatic dependent launch (on by default on
   sm_90 and later: kernels/bwd.py, Note [delta handoff]). For measuring what it gains.
+- ``FLASHTILE_HOPPER=0``: run the Triton kernels where the Gluon Hopper kernels would run (sm_90; ops/hopper.py
+  says which calls). For measuring, and for ruling the fast path out when chasing a problem.
 - ``TRITON_INTERPRET=1`` (Triton's own): kernels run on the CPU through Triton's interpreter. Read once, at
   import, exactly as Triton reads it.
 """
@@ -28,6 +30,10 @@ def autotune() -> bool:
 
 def pdl() -> bool:
     return _flag("FLASHTILE_PDL", default="1")
+
+
+def hopper() -> bool:
+    return _flag("FLASHTILE_HOPPER", default="1")
 
 
 def debug_checks() -> bool:

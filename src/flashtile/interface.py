@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .autograd import attention
 from .ops.common import PACK_KV, PACK_NONE, PACK_QKV
+from .ops.hopper import HOPPER_PATH, TRITON, hopper_unsupported
 from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
 
@@ -77,6 +78,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     p = dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
     return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic)
+
+
+def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> dict:
+    """Which kernels `flash_attn_func(q, k, v, ...)` with these arguments runs, forward and backward.
+
+    Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
+    warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run when they do
+    not (the backward's dQ pass is always Triton's). The packed entry points answer as this does for their
+    q, k, v; the varlen ones always run the Triton kernels. Arguments are validated as flash_attn_func validates
+    them; nothing is computed. `last_kernel_paths()` says what the last call actually ran.
+    """
+    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, 0.0)
+    reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
+        q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi)
+    path = TRITON if reason else HOPPER_PATH
+    return {"fwd": path, "bwd_dq": TRITON, "bwd_dkdv": path, "reason": reason}
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -33,6 +33,7 @@ from flashtile.bench.inputs import make_inputs
 from flashtile.bench.metrics import kv_bytes, timed_flops
 from flashtile.bench.refcheck import build_reference, check
 from flashtile.bench.timing import sample, summarize
+from flashtile.ops.hopper import last_kernel_paths
 
 ROUNDS = 3  # timing rounds per case, in rotated backend order (Note [interleaved rounds])
 
@@ -55,7 +56,7 @@ def _status(e: BaseException, caught: list) -> str:
 def _row(case: Case, backend: Backend) -> dict:
     row = {"backend": backend.name, "case": case.label(), **case.fields(), "status": "ok"}
     return row | dict.fromkeys(("ms", "p20", "p80", "tflops", "tbps", "refcheck", "ref_err", "ref_bound",
-                                "vs_best", "best_other", "timer"))
+                                "vs_best", "best_other", "timer", "kernels"))
 
 
 def setup_backend(case: Case, inputs, backend: Backend, device: torch.device, reference):
@@ -71,6 +72,12 @@ def setup_backend(case: Case, inputs, backend: Backend, device: torch.device, re
             # One call here, so that every backend compiles (torch.compile, Triton) before any is timed (each timing
             # round starts by clearing the gradients this leaves).
             prepared.run()
+            if backend.name == "flashtile" and case.mode != "decode":
+                # Which kernels the call ran (Note [hopper path] in ops/hopper.py), so that a number is never
+                # read as the fast path's when it was not.
+                paths = last_kernel_paths()
+                row["kernels"] = " ".join(f"{k}={paths.get(k)}" for k in
+                                          (("fwd", "bwd_dq", "bwd_dkdv") if case.backward else ("fwd",)))
             if reference is not None:
                 with torch.no_grad():
                     verdict = check(reference, prepared.output())

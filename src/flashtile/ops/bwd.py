@@ -22,6 +22,8 @@ from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule,
                      tile_grid, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
+from . import hopper
+from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
 from .launch import Static, head_dims, launch, prepare_launch, signature
 
 
@@ -77,8 +79,11 @@ def attention_bwd(
     # (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
     ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
+    # The Gluon dK/dV kernel (Note [hopper path] in ops/hopper.py) runs after the dQ kernel, without the handoff.
+    gluon = hopper_unsupported(q.device, q.dtype, head_dim, varlen=varlen, seqused=seqused_q is not None or
+                               seqused_k is not None, softcap=softcap, alibi=alibi_slopes is not None) is None
     # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
-    pdl = pdl_supported(q.device) and not torch.cuda.is_current_stream_capturing()
+    pdl = not gluon and pdl_supported(q.device) and not torch.cuda.is_current_stream_capturing()
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     scalars = (qk_scale, softcap2, softmax_scale)
 
@@ -104,9 +109,15 @@ def attention_bwd(
     launch(_bwd_dq_kernel, "bwd_dq", head_dim, key,
            (q, k, v, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
            lambda: static("bwd_dq"))
+    record("bwd_dq", TRITON)
+    if gluon:
+        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right)
+        record("bwd_dkdv", HOPPER_PATH)
+        return grads
     launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, key,
            (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args, order_dkdv, *scalars),
            lambda: static("bwd_dkdv"), pdl=pdl)
+    record("bwd_dkdv", TRITON)
     return grads
 
 

@@ -21,6 +21,8 @@ from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
 from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, host_desc,
                      schedule, tile_grid, tma_ready, unpack)
+from . import hopper
+from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
 from .launch import Static, head_dims, launch, prepare_launch, signature
 
 # Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both
@@ -86,6 +88,13 @@ def attention_fwd(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
+    if k.numel() > 0 and hopper_unsupported(q.device, q.dtype, head_dim, varlen=varlen, paged=paged,
+                                            seqused=seqused_q is not None or seqused_k is not None, softcap=softcap,
+                                            alibi=alibi_slopes is not None) is None:
+        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right)  # Note [hopper path] in ops/hopper.py
+        record("fwd", HOPPER_PATH)
+        return out, lse
+    record("fwd", TRITON)
     # Note [host descriptors]: a dense batch's sequences all end at row S, so one descriptor per tensor, built
     # here and passed as a kernel parameter, bounds every sequence, in place of descriptors built per program on
     # the device (a global-memory write and a proxy fence each, a fixed cost that weighs most on short sequences,

@@ -169,6 +169,31 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
                                   _specialisation(dynamic))
 
 
+def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
+                 num_warps: int) -> None:
+    """Launch `kernel[grid](*dynamic, *static_args, **constexprs)` whose tile is already in `constexprs` (the Gluon
+    kernels: ops/hopper.py), through the launch cache: `key` must determine grid, static_args and constexprs."""
+    device = torch.cuda.current_device()
+    full_key = (kernel, device, key)
+    entry = _CACHE.get(full_key) if not _hooked() else None
+    if entry is not None:
+        if env.debug_checks():
+            if (static_args, constexprs, grid) != (entry.args, entry.constexprs, entry.grid) or \
+                    _specialisation(dynamic) != entry.spec:
+                raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the launch: cached "
+                                     f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {static_args}, "
+                                     f"{constexprs}, grid {grid}")
+        _launch_cached(kernel, device, entry, dynamic)
+        return
+    options = {"num_warps": num_warps}
+    compiled = kernel[grid](*dynamic, *static_args, **constexprs, **options)
+    if len(_CACHE) >= MAX_CACHED:
+        del _CACHE[next(iter(_CACHE))]
+    names = kernel.arg_names[len(dynamic) + len(static_args):]
+    _CACHE[full_key] = _Entry(compiled, grid, (*static_args, *(constexprs[n] for n in names)), options, static_args,
+                              constexprs, _specialisation(dynamic))
+
+
 def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:
     grid = tuple(s.grid(cfg.block_m, cfg.block_n))
     return grid + (1,) * (3 - len(grid))

@@ -1,0 +1,191 @@
+"""The Hopper dK/dV kernel: a warp-specialised Gluon kernel for sm_90 (H100/H200), the structure of
+kernels/hopper_fwd.py applied to the backward's key-side pass. dQ and delta = rowsum(dO * O) come from the Triton
+dQ kernel (kernels/bwd.py), launched before this one on the same stream.
+
+One program computes dK and dV for 2 x BLOCK_N keys of one (sequence, KV head), over every query head of its GQA
+group (so nothing is reduced across programs, and the result is bitwise reproducible):
+
+  loader partition (1 warp)            TMA: both K and V tiles once, then Q_i and dO_i, head by head, into a ring
+                                       of STAGES slots; it waits on a slot's `empty` barrier before refilling it
+  two consumer partitions (4 warps)    BLOCK_N keys each, the same Q/dO slots. Per query tile i, transposed
+                                       (keys x queries) so that dK and dV accumulate without transposes:
+                                         issue Sᵀ = K Q_iᵀ and dPᵀ = V dO_iᵀ; wait for Sᵀ only
+                                         Pᵀ = exp2(Sᵀ·scale − lse2)              (under dPᵀ)
+                                         issue dV += Pᵀ dO_i; wait for dPᵀ only
+                                         dSᵀ = Pᵀ ∘ (dPᵀ − delta)                (under dV)
+                                         issue dK += dSᵀ Q_i; wait for both; arrive on the slot's `empty`
+                                       The tile's LSE and delta rows: pointer loads under Sᵀ and dPᵀ.
+
+The program's query range is q_block_range's for its 2 x BLOCK_N keys; the tiles that some (query, key) pair of
+the program does not see run masked, with masking.apply_mask's test rearranged so that only per-key bounds move
+with the tile (_tile says why); a consumer whose keys a tile does not reach at all computes zeros. Query rows past
+seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0 (as in
+kernels/bwd.py); keys past seqlen_k are TMA's zero fill, and the 4-d descriptors' stores drop their gradient rows.
+
+Scope (ops/hopper.py): dense fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not
+softcap, ALiBi, varlen.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from .hopper_common import ring_barriers
+from .masking import LOG2E, q_block_range
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
+            n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+    for c in gl.static_range(2):
+        bar = kv_bars.index(c)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, n_start + c * BLOCK_N, hk, 0], bar, k_s.index(c))
+        tma.async_copy_global_to_shared(v_desc, [b, n_start + c * BLOCK_N, hk, 0], bar, v_s.index(c))
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for t in range(n_tiles):
+            it = g * n_tiles + t
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, lo + t * BLOCK_M, h, 0], bar, q_s.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [b, lo + t * BLOCK_M, h, 0], bar, do_s.index(slot))
+
+
+@gluon.jit
+def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr, kl, offs_m, st_zero,
+          seqlen_q, qk_scale, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr,
+          MASK_RIGHT: gl.constexpr):
+    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv)."""
+    dtype: gl.constexpr = q_s.dtype
+    slot = it % STAGES
+    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    q_t = q_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_t = do_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    st = warpgroup_mma(k_c, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_c, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    # This tile's LSE and delta rows, read under the two matmuls just issued.
+    # Scalar pointer first, then the arange: LLVM otherwise hoists 16 per-element 64-bit pointers per tensor out of
+    # the loop (lse_h + offs_m), and they spill.
+    lse_t = lse_h + m_start
+    delta_t = delta_h + m_start
+    if MASKED:
+        lse2 = gl.load(lse_t + offs_m, mask=offs_m < seqlen_q - m_start, other=float("inf")) * LOG2E
+        delta = gl.load(delta_t + offs_m, mask=offs_m < seqlen_q - m_start, other=0.0)
+    else:  # a tile of whole rows (the consumer's loop bounds)
+        lse2 = gl.load(lse_t + offs_m) * LOG2E
+        delta = gl.load(delta_t + offs_m)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    if MASKED:
+        # apply_mask's test (key j visible to query i iff i + diag - wl <= j <= i + diag + wr) with i = m_start +
+        # offs_m, rearranged so that only the per-key bounds move with m_start: comparing a tile-independent
+        # i-expression instead makes LLVM hoist 16 (or 32) per-element values out of the loop, which spill.
+        qi = gl.expand_dims(offs_m, 0)
+        visible = qi >= 0  # all true
+        if MASK_RIGHT:
+            visible = visible & (qi >= gl.expand_dims(kr - m_start, 1))
+        if MASK_LEFT:
+            visible = visible & (qi <= gl.expand_dims(kl - m_start, 1))
+        s2 = gl.where(visible, st * qk_scale, float("-inf"))
+        pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
+    else:
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_t, dk, is_async=True)
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    mbarrier.arrive(empty.index(slot), count=1)  # this consumer has read Q_i and dO_i
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
+              n_start, lo, n_front, n_mid, n_tiles, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+              softmax_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    dtype: gl.constexpr = dk_desc.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    k_c = k_s.index(c).reshape([BLOCK_N, HEAD_DIM])
+    v_c = v_s.index(c).reshape([BLOCK_N, HEAD_DIM])
+    key0 = n_start + c * BLOCK_N
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # one value per query (Sᵀ's columns)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    kr = keys - (seqlen_k - seqlen_q) - wr  # the first query row that sees each key (MASK_RIGHT)
+    kl = keys - (seqlen_k - seqlen_q) + wl  # the last (MASK_LEFT)
+    mbarrier.wait(kv_bars.index(c), 0)
+    lse_h = LSE + (b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh)
+    delta_h = DELTA + (b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh)
+    for g in range(GROUP):
+        base = g * n_tiles
+        # The masked tiles run in their own loop, so the mask's registers and instructions stay out of the main one.
+        # Pass 0: masked front tiles, then the unmasked middle; pass 1: masked tail tiles (its unmasked range is
+        # empty). Each loop body exists once (two masked copies cost ptxas registers), in the loader's order.
+        for ph in range(2):
+            t0 = gl.where(ph == 0, 0, n_mid)
+            t1 = gl.where(ph == 0, n_front, n_tiles)
+            for t in range(t0, t1):
+                dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
+                               delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
+                               BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
+            for t in range(t1, gl.where(ph == 0, n_mid, t1)):
+                dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
+                               delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
+                               BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT)
+        lse_h += stride_lh
+        delta_h += stride_lh
+    # K and V are no longer read: this consumer's buffers stage its dK and dV for the TMA stores.
+    k_c.store((dk * softmax_scale).to(dtype))
+    v_c.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, 0], k_s.index(c))
+    tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, 0], v_s.index(c))
+    tma.store_wait(pendings=0)
+
+
+# Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
+@gluon.jit
+def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, qk_scale, softmax_scale,
+                        stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                        MASK_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
+    pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    n_start = pid_n * 2 * BLOCK_N
+    lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, 2 * BLOCK_N,
+                                             MASK_LEFT, MASK_RIGHT)
+    # Query tiles start at lo (a multiple of BLOCK_M). Those starting in [full_lo, full_hi) see every key of the
+    # program; of them, the ones that end by seqlen_q need no mask at all, not even on their LSE and delta rows.
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    n_front = (full_lo - lo + BLOCK_M - 1) // BLOCK_M
+    n_mid = gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M), n_front)
+    dtype: gl.constexpr = q_desc.dtype
+    k_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    do_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    kv_bars, ready, empty = ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_consumer, (0, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,
+                     lo, n_front, n_mid, n_tiles, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+        (_consumer, (1, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,
+                     lo, n_front, n_mid, n_tiles, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+        (_loader, (q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
+                   n_tiles, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

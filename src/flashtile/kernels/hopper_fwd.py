@@ -1,0 +1,161 @@
+"""The Hopper forward: a warp-specialised Gluon kernel for sm_90 (H100/H200), FlashAttention-3's structure.
+
+One program computes 2 x BLOCK_M query rows of one (sequence, head):
+
+  loader partition (1 warp)            TMA: both Q tiles once, then K_j and V_j into a ring of STAGES slots; it
+                                       waits on a slot's `empty` barrier before refilling it
+  two consumer partitions (4 warps)    one BLOCK_M-row Q tile each, the same K/V slots. Per key block:
+                                         issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait for S_j only
+                                         online softmax of S_j                 (under P_{j-1} V_{j-1})
+                                         wait for the P V update; arrive on slot j-1's `empty` (count 2)
+
+Two kinds of overlap, neither of which stock Triton 3.6 produces on sm_90 (its loops wait for every wgmma before
+the next instruction; PERF.md, "What the compiled loops do"): across the two consumer warpgroups, whose softmax and
+matmuls interleave on the SM's tensor cores under the warp schedulers, and inside each, where the softmax of block
+j runs while the tensor cores still work on block j-1's P V. The loader gives up its registers (setmaxnreg) so the
+consumers hold S, P and O (240 registers a thread, no spill at d128).
+
+BLOCK_N = 2 * BLOCK_M so that both consumers need the same key blocks under a causal or sliding-window mask: the
+program's key range is kv_block_range's for its 2 x BLOCK_M rows, and a consumer treats a block its rows only
+partly see as masked (apply_mask, as the Triton kernel does). Rows and keys past the sequence are TMA's zero fill;
+keys past seqlen_k are masked, and rows past seqlen_q are neither stored (the 4-d descriptors clip at the sequence
+end) nor written to the LSE.
+
+Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) fp16/bf16,
+D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi, varlen or paged K/V.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from .hopper_common import ring_barriers
+from .masking import LN2, apply_mask, kv_block_range
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, m_start + c * BLOCK_M, h, 0], q_bars.index(c), q_s.index(c))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first pass waits for nothing.
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, lo + j * BLOCK_N, hk, 0], bar, k_s.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, lo + j * BLOCK_N, hk, 0], bar, v_s.index(slot))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Fold the raw scores of key block n0 into the running (max, sum): returns (p, m_new, l_new, alpha)."""
+    if masked:
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = apply_mask(s, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_k, diag, wl, wr,
+                       MASK_LEFT, MASK_RIGHT, True)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if masked:
+        # Note [fully masked rows] in softmax.py: a row that has seen no visible key keeps a finite reference max.
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
+              full_hi, n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    diag = seqlen_k - seqlen_q
+    m0 = m_start + c * BLOCK_M
+    q_tile = q_s.index(c).reshape([BLOCK_M, HEAD_DIM])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    mbarrier.wait(q_bars.index(c), 0)
+    if n_blocks > 0:
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_s.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
+                                      wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            n0 = lo + j * BLOCK_N
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                v_s.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k,
+                                          diag, wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        last = (n_blocks - 1) % STAGES
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                            v_s.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(last), count=1)
+    # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    q_tile.store(out.to(dtype))  # this consumer's Q is no longer read: its buffer stages O for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, m0, h, 0], q_s.index(c))
+    lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(LSE + lse_off + rows, lse, mask=rows < seqlen_q)
+    tma.store_wait(pendings=0)
+
+
+# Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
+@gluon.jit
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale,
+                       stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
+    # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    hk = h // GROUP
+    m_start = pid_m * 2 * BLOCK_M
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
+                                              MASK_LEFT, MASK_RIGHT)
+    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    dtype: gl.constexpr = q_desc.dtype
+    q_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    k_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bars, ready, empty = ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_consumer, (0, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
+                     n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                     MASK_LEFT, MASK_RIGHT)),
+        (_consumer, (1, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
+                     n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                     MASK_LEFT, MASK_RIGHT)),
+        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
+                   BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

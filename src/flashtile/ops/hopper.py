@@ -1,0 +1,146 @@
+"""The Hopper fast path: which calls run the Gluon kernels, and their launchers.
+
+Note [hopper path]: on sm_90 (H100/H200) the dense forward and the backward's dK/dV pass run warp-specialised
+Gluon kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a
+TMA producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at the head
+dim 128 (config.HOPPER), MHA/GQA/MQA, any lengths, causal and sliding windows; everything else (softcap,
+ALiBi, varlen, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the Triton kernels, and
+the backward's dQ pass always does. `hopper_unsupported` is the one decision: the ops ask it on every call, and
+`flashtile.kernel_paths` asks it for a user, with the reason when the answer is no; `last_kernel_paths` says
+which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path off.
+
+The Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D) box, so loads
+past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides (tma_ready
+has made them TMA-legal).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import env
+from ..config import HOPPER
+from ..problem import kernel_flags
+from .launch import launch_fixed, signature
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.hopper_bwd import _hopper_dkdv_kernel
+    from ..kernels.hopper_fwd import _hopper_fwd_kernel
+    _GLUON_ERROR = None
+except ImportError as e:  # a Triton without Gluon's Hopper API: every call runs the Triton kernels
+    _GLUON_ERROR = f"this Triton has no Gluon Hopper API ({e})"
+
+TRITON, HOPPER_PATH = "triton", "gluon-sm90"
+# What the last forward and backward ran (kernel name -> path); `last_kernel_paths` returns a copy.
+_LAST: dict[str, str] = {}
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, varlen: bool = False,
+                       paged: bool = False, seqused: bool = False, softcap: float = 0.0,
+                       alibi: bool = False) -> Optional[str]:
+    """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
+    `head_dim` is the padded one the kernels see."""
+    if env.INTERPRET:
+        return "the Triton interpreter runs the Triton kernels"
+    if not env.hopper():
+        return "switched off by FLASHTILE_HOPPER=0"
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if device.type != "cuda":
+        return f"tensors on {device.type}, not a CUDA device"
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
+    if head_dim not in HOPPER["fwd"]:
+        return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
+    for cond, what in ((varlen, "varlen batches"), (paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
+                       (softcap > 0.0, "softcap"), (alibi, "ALiBi")):
+        if cond:
+            return f"{what}: not in the Gluon kernels"
+    return None
+
+
+def record(kernel: str, path: str) -> None:
+    _LAST[kernel] = path
+
+
+def last_kernel_paths() -> dict[str, str]:
+    """Which kernels the last forward and backward ran: {'fwd': ..., 'bwd_dq': ..., 'bwd_dkdv': ...}, each
+    'gluon-sm90' (the Hopper fast path) or 'triton'. A kernel not yet run in this process is absent."""
+    return dict(_LAST)
+
+
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@functools.cache
+def _layout(box: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(box), getattr(gl, _GL_DTYPES[dtype]))
+
+
+def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+    """A descriptor over (B, S, H, D) whose box is one head's (rows, D) tile of one sequence."""
+    shape, strides = list(t.shape), list(t.stride())
+    # As in common.host_desc: a dimension of size 1 is never stepped along, but TMA wants its stride aligned.
+    for i in range(len(shape) - 2, -1, -1):
+        if shape[i] == 1:
+            strides[i] = strides[i + 1] * shape[i + 1]
+    box = (1, rows, 1, shape[-1])
+    # Built without the dataclass's checks (alignment, strides, box), which tma_ready and the config guarantee, as
+    # common.host_desc does (Note [launch cache] in ops/launch.py).
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=list(box), layout=_layout(box, t.dtype),
+                         padding="zero")
+    return desc
+
+
+def _mask_args(window_left: int, window_right: int) -> dict:
+    flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16)
+    return {"MASK_LEFT": flags["MASK_LEFT"], "MASK_RIGHT": flags["MASK_RIGHT"]}
+
+
+def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int) -> None:
+    """out and lse of a dense (B, S, H, D) problem that hopper_unsupported accepts."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    cfg = HOPPER["fwd"][head_dim]
+    # The launch key: what the grid, the integer arguments, the constexprs and the descriptors' boxes and
+    # specialisation derive from (out and lse are fresh allocations whose layout q's shape fixes).
+    key = (signature(q, k, v), window_left, window_right)
+    grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+    launch_fixed(
+        _hopper_fwd_kernel, key, grid,
+        (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m), lse,
+         qk_scale),
+        (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right),
+        dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[2], **_mask_args(window_left, window_right),
+             **cfg.kwargs()), num_warps=4)
+
+
+def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
+             window_right: int) -> None:
+    """dk and dv of a dense problem that hopper_unsupported accepts, from the delta the dQ kernel wrote."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    cfg = HOPPER["bwd_dkdv"][head_dim]
+    key = (signature(q, k, v, dout, dk, dv, lse), window_left, window_right)
+    grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
+    launch_fixed(
+        _hopper_dkdv_kernel, key, grid,
+        (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
+         _desc(dk, cfg.block_n), _desc(dv, cfg.block_n), lse, delta, qk_scale, softmax_scale),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right),
+        dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
+             **cfg.kwargs()), num_warps=4)
