@@ -2,8 +2,8 @@
 
 Each function validates its arguments once (problem.py), normalises them (causal -> window, head dim padded to a
 multiple of 8), calls the `flashtile::fwd` custom op (directly in eager mode: autograd.py) and trims the result.
-Gradients flow through the op's backward (autograd.py). Layout is (batch, seqlen, nheads, headdim), or (total, nheads, headdim) for
-the varlen functions, whose batch is packed along one token axis and described by cu_seqlens.
+Gradients flow through the op's backward (autograd.py). Layout is (batch, seqlen, nheads, headdim), or (total,
+nheads, headdim) for the varlen functions, whose batch is packed along one token axis and described by cu_seqlens.
 """
 
 from __future__ import annotations
