@@ -19,7 +19,7 @@ CUDA = torch.device("cuda", 0)
 def fake_sm90(monkeypatch):
     """hopper_unsupported as it decides on an H100/H200, without one: not interpreting, capability 9.0."""
     monkeypatch.setattr(env, "INTERPRET", False)
-    monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hopper, "capability", lambda device: (9, 0))
     if hopper._GLUON_ERROR is not None:
         pytest.skip(hopper._GLUON_ERROR)
 
@@ -48,7 +48,7 @@ def test_everything_else_runs_triton_and_says_why(fake_sm90, kw, reason):
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])
 def test_other_gpus_run_triton(monkeypatch, fake_sm90, cap):
-    monkeypatch.setattr(hopper, "_capability", lambda index: cap)
+    monkeypatch.setattr(hopper, "capability", lambda device: cap)
     assert "compute capability" in hopper.hopper_unsupported(CUDA, torch.bfloat16, 128)
 
 

@@ -87,12 +87,17 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device, read once per device."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched with programmatic dependent launch (sm_90 and later, not under
     the interpreter, not switched off with FLASHTILE_PDL=0)."""
     if env.INTERPRET or device.type != "cuda" or not env.pdl():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return capability(device) >= (9, 0)
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -108,17 +113,22 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor over a dense (B, S, H, D) or packed (total, H, D) tensor (tma_ready), for
-    seqlen.load_rows/store_rows, whose box is one head's (rows, BLOCK_D) tile. An autotuned launch resets the box
-    for each config it tries (`descriptor_blocks`)."""
-    shape, strides = list(t.shape), list(t.stride())
-    # A dimension of size 1 is never stepped along, but TMA wants every stride 16-byte aligned: give it the
-    # stride it would have in a contiguous tensor.
+def tma_strides(t: torch.Tensor) -> list[int]:
+    """t's strides for a TMA descriptor. A dimension of size 1 is never stepped along, but TMA wants every stride
+    16-byte aligned: give it the stride it would have in a contiguous tensor."""
+    shape, strides = t.shape, list(t.stride())
     if 1 in shape:
         for i in range(len(shape) - 2, -1, -1):
             if shape[i] == 1:
                 strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
+
+
+def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over a dense (B, S, H, D) or packed (total, H, D) tensor (tma_ready), for
+    seqlen.load_rows/store_rows, whose box is one head's (rows, BLOCK_D) tile. An autotuned launch resets the box
+    for each config it tries (`descriptor_blocks`)."""
+    shape, strides = list(t.shape), tma_strides(t)
     box = [rows, 1, block_d(shape[-1])]
     # Built without TensorDescriptor.__init__, whose checks (alignment, strides, block shape) repeat what
     # tma_ready and the tile table guarantee, at 3 µs a descriptor of host time on the H200 machine (Note

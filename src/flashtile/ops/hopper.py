@@ -24,6 +24,7 @@ import torch
 from .. import env
 from ..config import HOPPER
 from ..problem import kernel_flags
+from .common import capability, tma_strides
 from .launch import launch_fixed, signature
 
 try:
@@ -41,11 +42,6 @@ TRITON, HOPPER_PATH = "triton", "gluon-sm90"
 _LAST: dict[str, str] = {}
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, varlen: bool = False,
                        paged: bool = False, seqused: bool = False, softcap: float = 0.0,
                        alibi: bool = False) -> Optional[str]:
@@ -59,7 +55,7 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return _GLUON_ERROR
     if device.type != "cuda":
         return f"tensors on {device.type}, not a CUDA device"
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = capability(device)
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -93,11 +89,7 @@ def _layout(box: tuple, dtype: torch.dtype):
 
 def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A descriptor over (B, S, H, D) whose box is one head's (rows, D) tile of one sequence."""
-    shape, strides = list(t.shape), list(t.stride())
-    # As in common.host_desc: a dimension of size 1 is never stepped along, but TMA wants its stride aligned.
-    for i in range(len(shape) - 2, -1, -1):
-        if shape[i] == 1:
-            strides[i] = strides[i + 1] * shape[i + 1]
+    shape, strides = list(t.shape), tma_strides(t)
     box = (1, rows, 1, shape[-1])
     # Built without the dataclass's checks (alignment, strides, box), which tma_ready and the config guarantee, as
     # common.host_desc does (Note [launch cache] in ops/launch.py).

@@ -144,7 +144,8 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
         entry = _CACHE.get(full_key)
         if entry is not None:
             if env.INTERPRET or env.debug_checks():
-                _check(kernel, tile_config(name, head_dim), entry, dynamic, static())
+                s = static()
+                _check(kernel, entry, dynamic, s.args, s.constexprs, _grid(s, tile_config(name, head_dim)))
             _launch_cached(kernel, device, entry, dynamic)
             return
     else:
@@ -162,11 +163,8 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
     options = launch_opts(cfg) | ({"launch_pdl": True} if pdl else {})
     compiled = kernel[grid](*args, **constexprs, **options)
     if full_key is not None:
-        if len(_CACHE) >= MAX_CACHED:
-            del _CACHE[next(iter(_CACHE))]
-        tail = (*s.args, *(constexprs[n] for n in names[n_args:]))
-        _CACHE[full_key] = _Entry(None if env.INTERPRET else compiled, grid, tail, options, s.args, s.constexprs,
-                                  _specialisation(dynamic))
+        _remember(full_key, kernel, None if env.INTERPRET else compiled, grid, dynamic, s.args, constexprs,
+                  s.constexprs, options)
 
 
 def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
@@ -178,20 +176,23 @@ def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, c
     entry = _CACHE.get(full_key) if not _hooked() else None
     if entry is not None:
         if env.debug_checks():
-            if (static_args, constexprs, grid) != (entry.args, entry.constexprs, entry.grid) or \
-                    _specialisation(dynamic) != entry.spec:
-                raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the launch: cached "
-                                     f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {static_args}, "
-                                     f"{constexprs}, grid {grid}")
+            _check(kernel, entry, dynamic, static_args, constexprs, grid)
         _launch_cached(kernel, device, entry, dynamic)
         return
     options = {"num_warps": num_warps}
     compiled = kernel[grid](*dynamic, *static_args, **constexprs, **options)
+    _remember(full_key, kernel, compiled, grid, dynamic, static_args, constexprs, constexprs, options)
+
+
+def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
+              checked_constexprs: dict, options: dict) -> None:
+    """Keep a launch under its key: what follows the dynamic arguments (the static ones, then every constexpr in
+    parameter order), and for _check what the key should have determined."""
     if len(_CACHE) >= MAX_CACHED:
         del _CACHE[next(iter(_CACHE))]
     names = kernel.arg_names[len(dynamic) + len(static_args):]
     _CACHE[full_key] = _Entry(compiled, grid, (*static_args, *(constexprs[n] for n in names)), options, static_args,
-                              constexprs, _specialisation(dynamic))
+                              checked_constexprs, _specialisation(dynamic))
 
 
 def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:
@@ -199,12 +200,11 @@ def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:
     return grid + (1,) * (3 - len(grid))
 
 
-def _check(kernel, cfg: TileConfig, entry: _Entry, dynamic: tuple, s: Static) -> None:
+def _check(kernel, entry: _Entry, dynamic: tuple, args: tuple, constexprs: dict, grid: tuple) -> None:
     """That the key determined everything a cache hit reuses (Note [launch cache])."""
-    grid = _grid(s, cfg)
-    if (s.args, s.constexprs, grid) != (entry.args, entry.constexprs, entry.grid):
+    if (args, constexprs, grid) != (entry.args, entry.constexprs, entry.grid):
         raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the static arguments: cached "
-                             f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {s.args}, {s.constexprs}, "
+                             f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {args}, {constexprs}, "
                              f"grid {grid}")
     if _specialisation(dynamic) != entry.spec:
         raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the specialisation of the "
