@@ -84,7 +84,7 @@ HOPPER_CASES = [(2, 1, 1, 4, 4), (1, 17, 33, 4, 2), (2, 100, 300, 4, 1), (1, 300
 
 
 def _need_hopper(device, head_dim=128):
-    """Skip unless the Gluon kernels run here; then calls with other head dims or softcap must not take them."""
+    """Skip unless the Gluon kernels run on this device for this head dim."""
     reason = hopper_unsupported(torch.device(device), torch.bfloat16, head_dim)
     if reason is not None:
         pytest.skip(f"the Gluon Hopper kernels do not run here: {reason}")
