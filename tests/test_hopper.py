@@ -32,7 +32,6 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
     (dict(dtype=torch.float32), "dtype torch.float32"),
     (dict(head_dim=64), "head dim 64"),
     (dict(head_dim=256), "head dim 256"),
-    (dict(varlen=True), "varlen batches"),
     (dict(paged=True), "paged K/V"),
     (dict(seqused=True), "seqused_q/seqused_k"),
     (dict(softcap=30.0), "softcap"),
