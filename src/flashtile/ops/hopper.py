@@ -1,13 +1,14 @@
 """The Hopper fast path: which calls run the Gluon kernels, and their launchers.
 
-Note [hopper path]: on sm_90 (H100/H200) the dense forward and the backward's dK/dV pass run warp-specialised
-Gluon kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a
-TMA producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at the head
-dim 128 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows;
-everything else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter)
-runs the Triton kernels, and the backward's dQ pass always does. `hopper_unsupported` is the one decision: the ops ask it on every call, and
-`flashtile.kernel_paths` asks it for a user, with the reason when the answer is no; `last_kernel_paths` says
-which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path off.
+Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's dK/dV pass run warp-specialised Gluon
+kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA
+producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim
+128 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows; everything
+else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
+Triton kernels, and the backward's dQ pass always does. `hopper_unsupported` is the one decision: the ops ask it
+on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no;
+`last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path
+off.
 
 For a dense batch the Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
@@ -50,8 +51,8 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False, seqused: bool = False, softcap: float = 0.0,
-                       alibi: bool = False) -> Optional[str]:
+def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
+                       seqused: bool = False, softcap: float = 0.0, alibi: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
     `head_dim` is the padded one the kernels see."""
     if env.INTERPRET:
