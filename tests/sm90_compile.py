@@ -29,6 +29,7 @@ from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from flashtile.kernels.hopper_bwd import _hopper_dkdv_kernel  # noqa: E402
+from flashtile.kernels.hopper_dq import _hopper_dq_kernel  # noqa: E402
 from flashtile.kernels.hopper_fwd import _hopper_fwd_kernel  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
@@ -98,9 +99,9 @@ FLAG_SETS = {
 
 # The Gluon Hopper kernels (ops/hopper.py): tensor arguments -> the tile-config field giving their box rows. Dense
 # batches pass host descriptors for them, varlen batches the packed tensors.
-HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel}
-HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "K": "block_n", "V": "block_n", "DK": "block_n",
-                  "DV": "block_n"}
+HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel, "bwd_dq": _hopper_dq_kernel}
+HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "DQ": "block_m", "K": "block_n", "V": "block_n",
+                  "DK": "block_n", "DV": "block_n"}
 # (MASK_LEFT, MASK_RIGHT, IS_VARLEN): no mask, causal, sliding window; causal varlen.
 HOPPER_FLAGS = {"dense": (False, False, False), "causal": (False, True, False), "window": (True, True, False),
                 "varlen causal": (False, True, True)}
@@ -118,7 +119,7 @@ def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right:
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in HOPPER_TENSORS and varlen:
+        elif name == "O" and kernel == "bwd_dq" or name in HOPPER_TENSORS and varlen:
             signature[name] = "*bf16"
         elif name in HOPPER_TENSORS:
             box = [1, getattr(cfg, HOPPER_TENSORS[name]), 1, head_dim]

@@ -107,6 +107,8 @@ _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k
 HOPPER: dict[str, dict[int, HopperConfig]] = {
     "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD)},
     "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV)},
+    "bwd_dq": {128: HopperConfig(64, 64, 3, source="the dK/dV kernel's tile; compiled for sm_90 on the CPU, "
+                                                  "not yet timed")},
 }
 
 

@@ -79,7 +79,8 @@ def attention_bwd(
     # (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
     ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
-    # The Gluon dK/dV kernel (Note [hopper path] in ops/hopper.py) runs after the dQ kernel, without the handoff.
+    # The Gluon kernels (Note [hopper path] in ops/hopper.py): dQ (which writes delta), then dK/dV, without the
+    # handoff.
     gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
                                softcap=softcap, alibi=alibi_slopes is not None) is None
     # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
@@ -106,15 +107,18 @@ def attention_bwd(
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
            window_left, window_right, softcap > 0.0, packing, pdl)
     prepare_launch(q)
+    if gluon:
+        hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
+                      cu_seqlens_q, cu_seqlens_k, order_dq)
+        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
+                        cu_seqlens_q, cu_seqlens_k, order_dkdv)
+        record("bwd_dq", HOPPER_PATH)
+        record("bwd_dkdv", HOPPER_PATH)
+        return grads
     launch(_bwd_dq_kernel, "bwd_dq", head_dim, key,
            (q, k, v, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
            lambda: static("bwd_dq"))
     record("bwd_dq", TRITON)
-    if gluon:
-        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                        cu_seqlens_q, cu_seqlens_k, order_dkdv)
-        record("bwd_dkdv", HOPPER_PATH)
-        return grads
     launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, key,
            (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args, order_dkdv, *scalars),
            lambda: static("bwd_dkdv"), pdl=pdl)

@@ -1,14 +1,13 @@
 """The Hopper fast path: which calls run the Gluon kernels, and their launchers.
 
-Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's dK/dV pass run warp-specialised Gluon
-kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA
+Note [hopper path]: on sm_90 (H100/H200) the forward and both backward passes run warp-specialised Gluon kernels
+(kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA
 producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim
 128 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows; everything
 else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
-Triton kernels, and the backward's dQ pass always does. `hopper_unsupported` is the one decision: the ops ask it
-on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no;
-`last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path
-off.
+Triton kernels. `hopper_unsupported` is the one decision: the ops ask it on every call, and
+`flashtile.kernel_paths` asks it for a user, with the reason when the answer is no; `last_kernel_paths` says
+which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
 For a dense batch the Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
@@ -36,6 +35,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.hopper_bwd import _hopper_dkdv_kernel
+    from ..kernels.hopper_dq import _hopper_dq_kernel
     from ..kernels.hopper_fwd import _hopper_fwd_kernel
     _GLUON_ERROR = None
 except ImportError as e:  # a Triton without Gluon's Hopper API: every call runs the Triton kernels
@@ -178,3 +178,33 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
                   *(x for t in (q, k, v, dout, dk, dv) for x in t.stride()[:2]), nheads, nheads_kv)
     launch_fixed(_hopper_dkdv_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
+
+
+def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
+           window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, order=None) -> None:
+    """dq and delta (which bwd_dkdv reads) of a problem that hopper_unsupported accepts; varlen with the query
+    side's launch order (ops/bwd.py)."""
+    nheads, head_dim = q.shape[-2:]
+    nheads_kv = k.shape[-2]
+    cfg = HOPPER["bwd_dq"][head_dim]
+    layouts = dict(M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
+                   N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype))
+    constexprs = dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
+                      IS_VARLEN=cu_seqlens_q is not None, **layouts, **cfg.kwargs())
+    key = (signature(q, k, v, dout, dq, out, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
+    if cu_seqlens_q is None:
+        batch, seqlen_q = q.shape[:2]
+        grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
+                   _desc(dq, cfg.block_m), out, lse, delta, None, None, None, qk_scale, softmax_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, *(0,) * 10,
+                  out.stride(0), out.stride(1), out.stride(2), nheads, nheads_kv)
+    else:
+        prepare_launch(q)  # the kernel builds descriptors per sequence
+        tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True)
+        grid = (tiles.shape[0], nheads, 1)
+        dynamic = (q, k, v, dout, dq, out, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
+        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
+                  *(x for t in (q, k, v, dout, dq) for x in t.stride()[:2]), 0, out.stride(0), out.stride(1),
+                  nheads, nheads_kv)
+    launch_fixed(_hopper_dq_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
