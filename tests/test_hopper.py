@@ -9,6 +9,7 @@ import torch
 
 import flashtile
 from flashtile import env
+from flashtile.config import HOPPER
 from flashtile.ops import hopper
 
 CUDA = torch.device("cuda", 0)
@@ -70,3 +71,74 @@ def test_kernel_paths_validates_like_the_api():
         flashtile.kernel_paths(q, q, q, window_size=(1, 2, 3))
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
         flashtile.kernel_paths(q, torch.randn(1, 9, 3, 64), torch.randn(1, 9, 3, 64))
+
+
+def _captured_launch(monkeypatch, which, varlen):
+    """The arguments ops/hopper.py would launch its Gluon kernel with, for CPU tensors (nothing is launched)."""
+    from flashtile.ops.common import schedule
+
+    calls = []
+    monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:
+                        calls.append((kernel, grid, dynamic, static, constexprs)))
+    monkeypatch.setattr(hopper, "prepare_launch", lambda t: None)
+    lens_q, lens_k = [100, 0, 37], [130, 5, 37]
+    pads = iter(range(8, 200, 8))
+
+    def tensor(*shape):
+        # Each tensor a view with its own row and head strides, so that a stride passed for the wrong tensor shows.
+        return torch.empty(*shape[:-1], shape[-1] + next(pads), dtype=torch.bfloat16)[..., :shape[-1]]
+
+    q_shape, kv_shape = ((sum(lens_q), 4, 128), (sum(lens_k), 2, 128)) if varlen else ((2, 100, 4, 128),
+                                                                                        (2, 130, 2, 128))
+    q, out, dout, dq = (tensor(*q_shape) for _ in range(4))
+    k, v, dk, dv = (tensor(*kv_shape) for _ in range(4))
+    if varlen:
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                      for n in (lens_q, lens_k))
+        lse = torch.empty(4, q.shape[0])
+        tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if which != "bwd_dkdv" else (cu_k, k.shape[0], cu_q, q.shape[0])
+        seq = (cu_q, cu_k, schedule(tiled[0], None, tiled[1], tiled[2], None, tiled[3]))
+    else:
+        lse = torch.empty(2, 4, 100)
+        seq = ()
+    if which == "fwd":
+        hopper.fwd(q, k, v, out, lse, 0.1, -1, 0, *seq)
+    elif which == "bwd_dq":
+        hopper.bwd_dq(q, k, v, dout, dq, out, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
+    else:
+        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
+    (call,) = calls
+    return call, dict(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, lse=lse)
+
+
+@pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("which", list(HOPPER))
+def test_launch_arguments_match_the_kernels(monkeypatch, which, varlen):
+    """Each Gluon launch passes every kernel parameter once, constexprs as constexprs, and the integers by name:
+    a launcher/kernel mismatch would otherwise first show on a GPU."""
+    (kernel, grid, dynamic, static, constexprs), t = _captured_launch(monkeypatch, which, varlen)
+    params = kernel.params
+    assert len(dynamic) + len(static) + len(constexprs) == len(params)
+    assert {p.name for p in params if p.is_constexpr} == set(constexprs)
+    assert all(not p.is_constexpr for p in params[:len(dynamic) + len(static)])
+    ints = dict(zip((p.name for p in params[len(dynamic):]), static))
+    q, k = t["q"], t["k"]
+    assert (ints["seqlen_q"], ints["seqlen_k"]) == ((q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1]))
+    assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
+    assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
+    assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128 and constexprs["IS_VARLEN"] == varlen
+    if varlen:
+        assert (ints["nheads"], ints["nheads_kv"]) == (4, 2)
+        names = {"fwd": "qkvo", "bwd_dq": ("q", "k", "v", "do", "dq"), "bwd_dkdv": ("q", "k", "v", "do", "dk", "dv")}
+        tensors = dict(q=q, k=k, v=t["v"], o=t["out"], do=t["dout"], dq=t["dq"], dk=t["dk"], dv=t["dv"])
+        for n in names[which]:
+            assert (ints[f"stride_{n}m"], ints[f"stride_{n}h"]) == tensors[n].stride()[:2], n
+        # One program per entry of the tile list, which covers every tile of the tiled side.
+        assert grid[1:] == (4 if which != "bwd_dkdv" else 2, 1)
+    else:
+        rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
+        side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]
+        assert grid == (-(-side // rows), 2 if which == "bwd_dkdv" else 4, 2)
+    if which == "bwd_dq":
+        assert (ints["stride_om"], ints["stride_oh"]) == (t["out"].stride()[-3], t["out"].stride()[-2])
