@@ -124,6 +124,13 @@ def test_launch_arguments_match_the_kernels(monkeypatch, which, varlen):
     assert all(not p.is_constexpr for p in params[:len(dynamic) + len(static)])
     ints = dict(zip((p.name for p in params[len(dynamic):]), static))
     q, k = t["q"], t["k"]
+    if not varlen:  # host descriptors, in the kernel's order, each over its tensor with its box
+        order = {"fwd": ("q", "k", "v", "out"), "bwd_dq": ("q", "k", "v", "dout", "dq"),
+                 "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv")}[which]
+        descs = [d for d in dynamic if hasattr(d, "block_shape")]
+        assert [d.base for d in descs] == [t[n] for n in order]
+        rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
+        assert [d.block_shape for d in descs] == [[1, r, 1, 128] for r in rows]
     assert (ints["seqlen_q"], ints["seqlen_k"]) == ((q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1]))
     assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
     assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
