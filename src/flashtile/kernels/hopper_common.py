@@ -1,5 +1,6 @@
-"""What the two Gluon Hopper kernels (hopper_fwd.py, hopper_bwd.py) share: the barriers of their producer/consumer
-ring, and how they address a tile through TMA in a dense or a varlen batch. Gluon only (sm_90).
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dq.py, hopper_bwd.py) share: the barriers of their
+producer/consumer ring, releasing slots a consumer skips, and how they address a tile through TMA in a dense or a
+varlen batch. Gluon only (sm_90).
 """
 
 from triton.experimental import gluon
@@ -52,3 +53,13 @@ def seq_desc(base, start, length, stride_m, stride_h, nheads, BLOCK: gl.constexp
     with no rows gets a one-row descriptor, which the kernels never read from nor write to."""
     return tma.make_tensor_descriptor(base + start * stride_m, [gl.maximum(length, 1), nheads, HEAD_DIM],
                                       [stride_m, stride_h, 1], [BLOCK, 1, HEAD_DIM], LAYOUT)
+
+
+@gluon.jit
+def pass_over(it0, it1, ready, empty, STAGES: gl.constexpr):
+    """Release ring slots it0 .. it1 - 1 (counted along the loader's stream) without reading them: tiles of the
+    program's range that this consumer's rows or keys do not see."""
+    for it in range(it0, it1):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(slot), count=1)

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tma_load, tma_store
+from .hopper_common import pass_over, ring_barriers, seq_desc, tma_load, tma_store
 from .masking import LOG2E, apply_mask, kv_block_range
 from .seqlen import seq_lengths
 
@@ -48,16 +48,6 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, e
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, b, lo + j * BLOCK_N, hk, bar, k_s.index(slot), IS_VARLEN)
         tma_load(v_desc, b, lo + j * BLOCK_N, hk, bar, v_s.index(slot), IS_VARLEN)
-
-
-@gluon.jit
-def _pass_over(j0, j1, ready, empty, STAGES: gl.constexpr):
-    """Release ring slots j0 .. j1 - 1 without reading them: blocks of the program's range that this consumer's
-    rows do not see."""
-    for j in range(j0, j1):
-        slot = j % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        mbarrier.arrive(empty.index(slot), count=1)
 
 
 @gluon.jit
@@ -105,7 +95,7 @@ def _consumer(c: gl.constexpr, dq_desc, O, LSE, DELTA, q_s, do_s, k_s, v_s, held
     # An async accumulator from the start: dQ's update stays in flight across loop iterations.
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    _pass_over(0, j0, ready, empty, STAGES)
+    pass_over(0, j0, ready, empty, STAGES)
     for j in range(j0, j1):
         slot = j % STAGES
         n0 = lo + j * BLOCK_N
@@ -133,7 +123,7 @@ def _consumer(c: gl.constexpr, dq_desc, O, LSE, DELTA, q_s, do_s, k_s, v_s, held
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
     if j1 > j0:
         mbarrier.arrive(empty.index((j1 - 1) % STAGES), count=1)
-    _pass_over(j1, n_blocks, ready, empty, STAGES)
+    pass_over(j1, n_blocks, ready, empty, STAGES)
     if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
         q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the TMA store
         fence_async_shared()
