@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tma_load, tma_store
+from .hopper_common import ring_barriers, seq_desc, tile_entry, tma_load, tma_store
 from .masking import LOG2E, q_block_range
 from .seqlen import seq_lengths
 
@@ -174,11 +174,7 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, TILES, CU_SEQLENS_Q, CU
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
     hk = gl.program_id(1)
     if IS_VARLEN:
-        entry = TILES + 2 * gl.program_id(0)
-        b = gl.load(entry)
-        pid_n = gl.load(entry + 1)
-        valid = b >= 0  # entries past the list are -1
-        b = gl.maximum(b, 0)
+        b, pid_n, valid = tile_entry(TILES)
         q_start, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, seqlen_q, False)
         q_start = q_start.to(gl.int64)  # 64-bit row offsets: a packed total may hold more than 2^31 elements
         k_start, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, seqlen_k, False)

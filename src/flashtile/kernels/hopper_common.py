@@ -45,6 +45,18 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
+def tile_entry(TILES):
+    """A varlen program's (sequence, tile) from the written-out tile list (ops/common.tile_list), and whether it has
+    one. Entries past the list are (-1, -1); such a program becomes tile 0 of sequence 0 with no rows (seq_lengths
+    gives an invalid entry none), so it reads one row and writes nothing. A negative tile would put negative rows
+    in its TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies
+    outside the descriptor (compute-sanitizer, session 8)."""
+    entry = TILES + 2 * gl.program_id(0)
+    seq = gl.load(entry)
+    return gl.maximum(seq, 0), gl.maximum(gl.load(entry + 1), 0), seq >= 0
+
+
+@gluon.jit
 def seq_desc(base, start, length, stride_m, stride_h, nheads, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
              LAYOUT: gl.constexpr):
     """A descriptor over one varlen sequence's rows [start, start + length) of a packed (total, H, D) tensor, boxes
