@@ -35,7 +35,7 @@ SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
 KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
-I32_POINTERS = {"READY", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE",
+I32_POINTERS = {"READY", "TILES", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE",
                 "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
@@ -96,32 +96,44 @@ FLAG_SETS = {
 }
 
 
-# The Gluon Hopper kernels (ops/hopper.py): descriptor arguments -> the tile-config field giving their box rows.
+# The Gluon Hopper kernels (ops/hopper.py): tensor arguments -> the tile-config field giving their box rows. Dense
+# batches pass host descriptors for them, varlen batches the packed tensors.
 HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel}
-HOPPER_DESCS = {"q_desc": "block_m", "o_desc": "block_m", "k_desc": "block_n", "v_desc": "block_n",
-                "do_desc": "block_m", "dk_desc": "block_n", "dv_desc": "block_n"}
-# (MASK_LEFT, MASK_RIGHT): no mask, causal, sliding window.
-HOPPER_MASKS = {"dense": (False, False), "causal": (False, True), "window": (True, True)}
+HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "K": "block_n", "V": "block_n", "DK": "block_n",
+                  "DV": "block_n"}
+# (MASK_LEFT, MASK_RIGHT, IS_VARLEN): no mask, causal, sliding window; causal varlen.
+HOPPER_FLAGS = {"dense": (False, False, False), "causal": (False, True, False), "window": (True, True, False),
+                "varlen causal": (False, True, True)}
 
 
-def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right: bool, group: int = 2):
+def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right: bool, varlen: bool = False,
+                   group: int = 2):
     """One Gluon Hopper kernel for sm_90, with the descriptors ops/hopper.py builds ((1, rows, 1, D) boxes)."""
     fn = HOPPER_KERNELS[kernel]
+    layouts = {rows: gl.NVMMASharedLayout.get_default_for([getattr(cfg, rows), 1, head_dim], gl.bfloat16)
+               for rows in ("block_m", "block_n")}
+    consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, IS_VARLEN=varlen,
+                  M_LAYOUT=layouts["block_m"], N_LAYOUT=layouts["block_n"], **cfg.kwargs())
     signature = {}
     for name in fn.arg_names:
-        if name in HOPPER_DESCS:
-            box = [1, getattr(cfg, HOPPER_DESCS[name]), 1, head_dim]
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in HOPPER_TENSORS and varlen:
+            signature[name] = "*bf16"
+        elif name in HOPPER_TENSORS:
+            box = [1, getattr(cfg, HOPPER_TENSORS[name]), 1, head_dim]
             layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
             signature[name] = f"tensordesc<bf16[{','.join(map(str, box))}],{layout!r}>"
+        elif name in I32_POINTERS:
+            signature[name] = "*i32" if varlen else "constexpr"
+            if not varlen:
+                consts[name] = None
         elif name in FP32_POINTERS:
             signature[name] = "*fp32"
         elif name in FP32_SCALARS:
             signature[name] = "fp32"
-        elif name.isupper():
-            signature[name] = "constexpr"
         else:
             signature[name] = "i32"
-    consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, **cfg.kwargs())
     src = GluonASTSource(fn=fn, signature=signature, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -161,8 +173,8 @@ def main(argv):
             print(json.dumps(row), flush=True)
     for kernel, by_d in HOPPER.items():
         for d, cfg in by_d.items():
-            for mask_name, (mask_left, mask_right) in HOPPER_MASKS.items():
-                c = compile_hopper(kernel, d, cfg, mask_left, mask_right)
+            for mask_name, (mask_left, mask_right, varlen) in HOPPER_FLAGS.items():
+                c = compile_hopper(kernel, d, cfg, mask_left, mask_right, varlen)
                 ptx = c.asm["ptx"]
                 row = {"kernel": f"hopper_{kernel}", "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.stages],
                        "flags": mask_name, "shared": c.metadata.shared, "wgmma": "wgmma" in ptx,

@@ -33,7 +33,6 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
     (dict(dtype=torch.float32), "dtype torch.float32"),
     (dict(head_dim=64), "head dim 64"),
     (dict(head_dim=256), "head dim 256"),
-    (dict(varlen=True), "varlen batches"),
     (dict(paged=True), "paged K/V"),
     (dict(seqused=True), "seqused_q/seqused_k"),
     (dict(softcap=30.0), "softcap"),
@@ -74,51 +73,75 @@ def test_kernel_paths_validates_like_the_api():
         flashtile.kernel_paths(q, torch.randn(1, 9, 3, 64), torch.randn(1, 9, 3, 64))
 
 
-def _captured_launch(monkeypatch, which):
+def _captured_launch(monkeypatch, which, varlen):
     """The arguments ops/hopper.py would launch its Gluon kernel with, for CPU tensors (nothing is launched)."""
+    from flashtile.ops.common import schedule
+
     calls = []
     monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:
                         calls.append((kernel, grid, dynamic, static, constexprs)))
+    monkeypatch.setattr(hopper, "prepare_launch", lambda t: None)
+    lens_q, lens_k = [100, 0, 37], [130, 5, 37]
     pads = iter(range(8, 200, 8))
 
     def tensor(*shape):
-        # Each tensor a view with its own strides, so that a descriptor built over the wrong tensor shows.
+        # Each tensor a view with its own row and head strides, so that a stride passed for the wrong tensor shows.
         return torch.empty(*shape[:-1], shape[-1] + next(pads), dtype=torch.bfloat16)[..., :shape[-1]]
 
-    q, out, dout = (tensor(2, 100, 4, 128) for _ in range(3))
-    k, v, dk, dv = (tensor(2, 130, 2, 128) for _ in range(4))
-    lse = torch.empty(2, 4, 100)
-    if which == "fwd":
-        hopper.fwd(q, k, v, out, lse, 0.1, -1, 0)
-        tensors = [(q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"), (out, "BLOCK_M")]
+    q_shape, kv_shape = ((sum(lens_q), 4, 128), (sum(lens_k), 2, 128)) if varlen else ((2, 100, 4, 128),
+                                                                                        (2, 130, 2, 128))
+    q, out, dout = (tensor(*q_shape) for _ in range(3))
+    k, v, dk, dv = (tensor(*kv_shape) for _ in range(4))
+    if varlen:
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                      for n in (lens_q, lens_k))
+        lse = torch.empty(4, q.shape[0])
+        tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if which != "bwd_dkdv" else (cu_k, k.shape[0], cu_q, q.shape[0])
+        seq = (cu_q, cu_k, schedule(tiled[0], None, tiled[1], tiled[2], None, tiled[3]))
     else:
-        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0)
-        tensors = [(q, "BLOCK_M"), (k, "BLOCK_N"), (v, "BLOCK_N"), (dout, "BLOCK_M"), (dk, "BLOCK_N"),
-                   (dv, "BLOCK_N")]
+        lse = torch.empty(2, 4, 100)
+        seq = ()
+    if which == "fwd":
+        hopper.fwd(q, k, v, out, lse, 0.1, -1, 0, *seq)
+    else:
+        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
     (call,) = calls
-    return call, tensors, q, k, lse
+    return call, dict(q=q, k=k, v=v, out=out, dout=dout, dk=dk, dv=dv, lse=lse)
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("which", list(HOPPER))
-def test_launch_arguments_match_the_kernels(monkeypatch, which):
-    """Each Gluon launch passes every kernel parameter once, constexprs as constexprs, the integers by name and
-    a descriptor over the right tensor with the right box in each place: a launcher/kernel mismatch would
-    otherwise first show on a GPU."""
-    (kernel, grid, dynamic, static, constexprs), tensors, q, k, lse = _captured_launch(monkeypatch, which)
+def test_launch_arguments_match_the_kernels(monkeypatch, which, varlen):
+    """Each Gluon launch passes every kernel parameter once, constexprs as constexprs, and the integers by name:
+    a launcher/kernel mismatch would otherwise first show on a GPU."""
+    (kernel, grid, dynamic, static, constexprs), t = _captured_launch(monkeypatch, which, varlen)
     params = kernel.params
     assert len(dynamic) + len(static) + len(constexprs) == len(params)
     assert {p.name for p in params if p.is_constexpr} == set(constexprs)
     assert all(not p.is_constexpr for p in params[:len(dynamic) + len(static)])
-    descs = [d for d in dynamic if hasattr(d, "block_shape")]
-    assert [d.base for d in descs] == [t for t, _ in tensors]
-    assert [d.block_shape for d in descs] == [[1, constexprs[rows], 1, 128] for _, rows in tensors]
-    assert [d.strides for d in descs] == [list(t.stride()) for t, _ in tensors]
     ints = dict(zip((p.name for p in params[len(dynamic):]), static))
-    assert (ints["seqlen_q"], ints["seqlen_k"]) == (q.shape[1], k.shape[1])
-    assert (ints["stride_lb"], ints["stride_lh"]) == lse.stride()[:2]
+    q, k = t["q"], t["k"]
+    if not varlen:  # host descriptors, in the kernel's order, each over its tensor with its box
+        order = {"fwd": ("q", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv")}[which]
+        descs = [d for d in dynamic if hasattr(d, "block_shape")]
+        assert [d.base for d in descs] == [t[n] for n in order]
+        rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
+        assert [d.block_shape for d in descs] == [[1, r, 1, 128] for r in rows]
+        assert [d.strides for d in descs] == [list(t[n].stride()) for n in order]
+    assert (ints["seqlen_q"], ints["seqlen_k"]) == ((q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1]))
+    assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
     assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
-    assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128
-    side, rows, heads = (k.shape[1], constexprs["BLOCK_N"], 2) if which == "bwd_dkdv" else \
-        (q.shape[1], constexprs["BLOCK_M"], 4)
-    assert grid == (-(-side // (2 * rows)), heads, 2)
+    assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128 and constexprs["IS_VARLEN"] == varlen
+    if varlen:
+        assert (ints["nheads"], ints["nheads_kv"]) == (4, 2)
+        names = {"fwd": "qkvo", "bwd_dkdv": ("q", "k", "v", "do", "dk", "dv")}
+        tensors = dict(q=q, k=k, v=t["v"], o=t["out"], do=t["dout"], dk=t["dk"], dv=t["dv"])
+        for n in names[which]:
+            assert (ints[f"stride_{n}m"], ints[f"stride_{n}h"]) == tensors[n].stride()[:2], n
+        # One program per entry of the tile list, which covers every tile of the tiled side.
+        assert grid[1:] == (4 if which != "bwd_dkdv" else 2, 1)
+    else:
+        rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
+        side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]
+        assert grid == (-(-side // rows), 2 if which == "bwd_dkdv" else 4, 2)

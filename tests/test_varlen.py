@@ -256,9 +256,9 @@ def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl
 @pytest.mark.parametrize("many, last_first", [(False, False), (True, True)], ids=["20", "CHUNK+77"])
 def test_tile_list(device, many, last_first):
     """Every tile of every sequence exactly once, in schedule order (over more sequences than one CHUNK); the
-    programs past the list get a tile index past any sequence."""
+    programs past the list get a tile index past any sequence. tile_coords and tile_list agree."""
     from flashtile.kernels.seqlen import CHUNK
-    from flashtile.ops.common import schedule, tile_grid
+    from flashtile.ops.common import schedule, tile_grid, tile_list
     batch, block = CHUNK.value + 77 if many else 20, 4
     lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
     lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
@@ -274,6 +274,9 @@ def test_tile_list(device, many, last_first):
     got = [tuple(row) for row in out.tolist()]
     assert got[:len(want)] == want
     assert all(tile * block >= 2**31 - block for _, tile in got[len(want):])
+    # The same list written out (ops/common.tile_list, for the Gluon kernels), then (-1, -1) past it.
+    written = [tuple(row) for row in tile_list(sched, int(lengths.sum()), block, last_first).tolist()]
+    assert written == want + [(-1, -1)] * (programs - len(want))
 
 
 # ---------------------------------------------------------------------------------------------------------------

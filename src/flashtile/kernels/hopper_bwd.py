@@ -22,8 +22,8 @@ with the tile (_tile says why); a consumer whose keys a tile does not reach at a
 seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0 (as in
 kernels/bwd.py); keys past seqlen_k are TMA's zero fill, and the 4-d descriptors' stores drop their gradient rows.
 
-Scope (ops/hopper.py): dense fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not
-softcap, ALiBi, varlen.
+Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
+windows. Not softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon
@@ -31,18 +31,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers
+from .hopper_common import ring_barriers, seq_desc, tile_entry, tma_load, tma_store
 from .masking import LOG2E, q_block_range
+from .seqlen import seq_lengths
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
-            n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+            n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
     for c in gl.static_range(2):
         bar = kv_bars.index(c)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, n_start + c * BLOCK_N, hk, 0], bar, k_s.index(c))
-        tma.async_copy_global_to_shared(v_desc, [b, n_start + c * BLOCK_N, hk, 0], bar, v_s.index(c))
+        tma_load(k_desc, b, n_start + c * BLOCK_N, hk, bar, k_s.index(c), IS_VARLEN)
+        tma_load(v_desc, b, n_start + c * BLOCK_N, hk, bar, v_s.index(c), IS_VARLEN)
     for g in range(GROUP):
         h = hk * GROUP + g
         for t in range(n_tiles):
@@ -51,8 +53,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, lo + t * BLOCK_M, h, 0], bar, q_s.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [b, lo + t * BLOCK_M, h, 0], bar, do_s.index(slot))
+            tma_load(q_desc, b, lo + t * BLOCK_M, h, bar, q_s.index(slot), IS_VARLEN)
+            tma_load(do_desc, b, lo + t * BLOCK_M, h, bar, do_s.index(slot), IS_VARLEN)
 
 
 @gluon.jit
@@ -105,9 +107,10 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h
 
 @gluon.jit
 def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
-              n_start, lo, n_front, n_mid, n_tiles, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+              n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
               softmax_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -125,8 +128,8 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s
     kr = keys - (seqlen_k - seqlen_q) - wr  # the first query row that sees each key (MASK_RIGHT)
     kl = keys - (seqlen_k - seqlen_q) + wl  # the last (MASK_LEFT)
     mbarrier.wait(kv_bars.index(c), 0)
-    lse_h = LSE + (b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh)
-    delta_h = DELTA + (b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh)
+    lse_h = LSE + lse_off
+    delta_h = DELTA + lse_off
     for g in range(GROUP):
         base = g * n_tiles
         # The masked tiles run in their own loop, so the mask's registers and instructions stay out of the main one.
@@ -149,43 +152,75 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s
     k_c.store((dk * softmax_scale).to(dtype))
     v_c.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, key0, hk, 0], k_s.index(c))
-    tma.async_copy_shared_to_global(dv_desc, [b, key0, hk, 0], v_s.index(c))
-    tma.store_wait(pendings=0)
+    if key0 < seqlen_k:  # else no key of this consumer is in the sequence (or the program is past the list)
+        tma_store(dk_desc, b, key0, hk, k_s.index(c), IS_VARLEN)
+        tma_store(dv_desc, b, key0, hk, v_s.index(c), IS_VARLEN)
+        tma.store_wait(pendings=0)
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, qk_scale, softmax_scale,
+def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale, softmax_scale,
                         stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
+                        stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
+                        stride_dkm, stride_dkh, stride_dvm, stride_dvh, nheads, nheads_kv,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                        MASK_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, M_LAYOUT: gl.constexpr,
+                        N_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Dense: the six tensors are host descriptors over (B, S, H, D), the grid is (key tiles of 2 x BLOCK_N
+    rows, Hk, B). Varlen: they are the packed tensors and the grid is (the tile list's bound, Hk), as in
+    hopper_fwd.py's kernel, the list ordered by each sequence's queries (ops/bwd.py)."""
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
-    pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
     hk = gl.program_id(1)
-    b = gl.program_id(2)
+    if IS_VARLEN:
+        b, pid_n, valid = tile_entry(TILES)
+        q_start, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, seqlen_q, False)
+        q_start = q_start.to(gl.int64)  # 64-bit row offsets: a packed total may hold more than 2^31 elements
+        k_start, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, seqlen_k, False)
+        k_start = k_start.to(gl.int64)
+        q_desc = seq_desc(Q, q_start, seqlen_q, stride_qm, stride_qh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
+        do_desc = seq_desc(DO, q_start, seqlen_q, stride_dom, stride_doh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
+        k_desc = seq_desc(K, k_start, seqlen_k, stride_km, stride_kh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+        v_desc = seq_desc(V, k_start, seqlen_k, stride_vm, stride_vh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+        dk_desc = seq_desc(DK, k_start, seqlen_k, stride_dkm, stride_dkh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+        dv_desc = seq_desc(DV, k_start, seqlen_k, stride_dvm, stride_dvh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+    else:
+        pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
+        b = gl.program_id(2)
+        q_start = 0
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = Q, K, V, DO, DK, DV
     n_start = pid_n * 2 * BLOCK_N
     lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, 2 * BLOCK_N,
                                              MASK_LEFT, MASK_RIGHT)
     # Query tiles start at lo (a multiple of BLOCK_M). Those starting in [full_lo, full_hi) see every key of the
     # program; of them, the ones that end by seqlen_q need no mask at all, not even on their LSE and delta rows.
     n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    n_front = (full_lo - lo + BLOCK_M - 1) // BLOCK_M
-    n_mid = gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M), n_front)
+    if IS_VARLEN:
+        n_tiles = gl.where(valid, n_tiles, 0)
+    n_front = gl.minimum((full_lo - lo + BLOCK_M - 1) // BLOCK_M, n_tiles)
+    n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
+                                  n_front), n_tiles)
+    lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh + q_start
     dtype: gl.constexpr = q_desc.dtype
-    k_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    do_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    if IS_VARLEN:
+        k_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+        q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+        do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    else:
+        k_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+        q_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+        do_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     kv_bars, ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,
-                     lo, n_front, n_mid, n_tiles, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+                     lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
         (_consumer, (1, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,
-                     lo, n_front, n_mid, n_tiles, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+                     lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
-                   n_tiles, BLOCK_M, BLOCK_N, STAGES, GROUP)),
+                   n_tiles, BLOCK_M, BLOCK_N, STAGES, GROUP, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,10 +1,11 @@
-"""What the two Gluon Hopper kernels (hopper_fwd.py, hopper_bwd.py) share: the barriers of their producer/consumer
-ring. Gluon only (sm_90); the Triton kernels have no such thing.
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_bwd.py) share: the barriers of their
+producer/consumer ring, and how they find and address a tile through TMA in a dense or a varlen batch. Gluon only
+(sm_90).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 
 @gluon.jit
@@ -22,3 +23,47 @@ def ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(empty.index(i), count=2)  # one arrival from each consumer
     fence_async_shared()  # the initialised barriers, before the TMA unit and the other partitions use them
     return held, ready, empty
+
+
+@gluon.jit
+def tma_load(desc, b, row, h, bar, dst, IS_VARLEN: gl.constexpr):
+    """TMA-load the box at (sequence b, row, head h) into dst: a host descriptor over (B, S, H, D) for a dense
+    batch, a per-sequence one over (rows, H, D) for a varlen batch (built by the kernel; see hopper_fwd.py)."""
+    if IS_VARLEN:
+        tma.async_copy_global_to_shared(desc, [row, h, 0], bar, dst)
+    else:
+        tma.async_copy_global_to_shared(desc, [b, row, h, 0], bar, dst)
+
+
+@gluon.jit
+def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
+    """The store that tma_load's box reads back; rows past the sequence are dropped either way."""
+    if IS_VARLEN:
+        tma.async_copy_shared_to_global(desc, [row, h, 0], src)
+    else:
+        tma.async_copy_shared_to_global(desc, [b, row, h, 0], src)
+
+
+@gluon.jit
+def tile_entry(TILES):
+    """A varlen program's (sequence, tile) from the written-out tile list (ops/common.tile_list), and whether it has
+    one. Entries past the list are (-1, -1); such a program becomes tile 0 of sequence 0 with no rows (seq_lengths
+    gives an invalid entry none), so it reads one row and writes nothing. A negative tile would put negative rows
+    in its TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies
+    outside the descriptor (compute-sanitizer, session 8)."""
+    entry = TILES + 2 * gl.program_id(0)
+    seq = gl.load(entry)
+    return gl.maximum(seq, 0), gl.maximum(gl.load(entry + 1), 0), seq >= 0
+
+
+@gluon.jit
+def seq_desc(base, start, length, stride_m, stride_h, nheads, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+             LAYOUT: gl.constexpr):
+    """A descriptor over one varlen sequence's rows [start, start + length) of a packed (total, H, D) tensor, boxes
+    of (BLOCK, 1, HEAD_DIM). Its rows end where the sequence does, so reads past it are zeros and writes are dropped
+    (the next sequence's rows are never read: a row of inf or NaN there would survive P = 0 in P V). A sequence
+    with no rows gets a one-row descriptor, which the kernels never write to (a program past the tile list reads
+    it; see tile_entry)."""
+    return tma.make_tensor_descriptor(base + start * stride_m, [gl.maximum(length, 1), nheads, HEAD_DIM],
+                                      [stride_m, stride_h, 1], [BLOCK, 1, HEAD_DIM], LAYOUT)
+

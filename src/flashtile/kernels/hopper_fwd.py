@@ -18,11 +18,12 @@ consumers hold S, P and O (240 registers a thread, no spill at d128).
 BLOCK_N = 2 * BLOCK_M so that both consumers need the same key blocks under a causal or sliding-window mask: the
 program's key range is kv_block_range's for its 2 x BLOCK_M rows, and a consumer treats a block its rows only
 partly see as masked (apply_mask, as the Triton kernel does). Rows and keys past the sequence are TMA's zero fill;
-keys past seqlen_k are masked, and rows past seqlen_q are neither stored (the 4-d descriptors clip at the sequence
-end) nor written to the LSE.
+keys past seqlen_k are masked, and rows past seqlen_q are neither stored (the descriptors, host-built 4-d ones for a
+dense batch and per-sequence ones for a varlen batch, end where the sequence does) nor written to the LSE.
 
-Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) fp16/bf16,
-D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi, varlen or paged K/V.
+Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
+(total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi,
+seqused or paged K/V.
 """
 
 from triton.experimental import gluon
@@ -30,24 +31,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers
+from .hopper_common import ring_barriers, seq_desc, tile_entry, tma_load, tma_store
 from .masking import LN2, apply_mask, kv_block_range
+from .seqlen import seq_lengths
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m_start + c * BLOCK_M, h, 0], q_bars.index(c), q_s.index(c))
+        tma_load(q_desc, b, m_start + c * BLOCK_M, h, q_bars.index(c), q_s.index(c), IS_VARLEN)
     for j in range(n_blocks):
         slot = j % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first pass waits for nothing.
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, lo + j * BLOCK_N, hk, 0], bar, k_s.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [b, lo + j * BLOCK_N, hk, 0], bar, v_s.index(slot))
+        tma_load(k_desc, b, lo + j * BLOCK_N, hk, bar, k_s.index(slot), IS_VARLEN)
+        tma_load(v_desc, b, lo + j * BLOCK_N, hk, bar, v_s.index(slot), IS_VARLEN)
 
 
 @gluon.jit
@@ -71,7 +73,7 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
 def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
               full_hi, n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -118,44 +120,73 @@ def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty,
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    q_tile.store(out.to(dtype))  # this consumer's Q is no longer read: its buffer stages O for the TMA store
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, m0, h, 0], q_s.index(c))
-    lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(LSE + lse_off + rows, lse, mask=rows < seqlen_q)
-    tma.store_wait(pendings=0)
+    if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
+        q_tile.store(out.to(dtype))  # this consumer's Q is no longer read: its buffer stages O for the TMA store
+        fence_async_shared()
+        tma_store(o_desc, b, m0, h, q_s.index(c), IS_VARLEN)
+        lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(LSE + lse_off + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(pendings=0)
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale,
+def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
                        stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
+                       stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
+                       nheads, nheads_kv,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, M_LAYOUT: gl.constexpr,
+                       N_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Dense: Q, K, V, O are host descriptors over (B, S, H, D) (ops/hopper.py), the grid is (query tiles of
+    2 x BLOCK_M rows, H, B), and the strides, nheads, TILES and the CU_SEQLENS are unused. Varlen: Q, K, V, O are
+    the packed (total, H, D) tensors, seqlen_q/k their totals, and the grid is (the tile list's bound, H): each
+    program reads its (sequence, tile) from TILES (ops/common.tile_list: longest sequences first, and within one
+    the last tile first) and builds descriptors over its sequence (hopper_common.seq_desc)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
-    # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     h = gl.program_id(1)
-    b = gl.program_id(2)
     hk = h // GROUP
+    if IS_VARLEN:
+        b, pid_m, valid = tile_entry(TILES)
+        q_start, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, seqlen_q, False)
+        q_start = q_start.to(gl.int64)  # 64-bit row offsets: a packed total may hold more than 2^31 elements
+        k_start, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, seqlen_k, False)
+        k_start = k_start.to(gl.int64)
+        q_desc = seq_desc(Q, q_start, seqlen_q, stride_qm, stride_qh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
+        k_desc = seq_desc(K, k_start, seqlen_k, stride_km, stride_kh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+        v_desc = seq_desc(V, k_start, seqlen_k, stride_vm, stride_vh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+        o_desc = seq_desc(O, q_start, seqlen_q, stride_om, stride_oh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
+    else:
+        # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        b = gl.program_id(2)
+        q_start = 0
+        q_desc, k_desc, v_desc, o_desc = Q, K, V, O
     m_start = pid_m * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
                                               MASK_LEFT, MASK_RIGHT)
     n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    if IS_VARLEN:
+        n_blocks = gl.where(valid, n_blocks, 0)
+    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
     dtype: gl.constexpr = q_desc.dtype
-    q_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    k_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    if IS_VARLEN:
+        q_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    else:
+        q_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+        k_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bars, ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (0, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
                      n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     MASK_LEFT, MASK_RIGHT)),
+                     MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
         (_consumer, (1, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
                      n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     MASK_LEFT, MASK_RIGHT)),
+                     MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
         (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-                   BLOCK_M, BLOCK_N, STAGES)),
+                   BLOCK_M, BLOCK_N, STAGES, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

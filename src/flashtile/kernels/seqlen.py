@@ -190,3 +190,26 @@ def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, b
     tl.store(SCHEDULE + first + i, b, mask=ok)
     _, tiled = seq_lengths(b, ok, CU_TILED, SEQUSED_TILED, bound_tiled, HAS_SEQUSED_TILED)
     tl.store(SCHEDULE + batch + first + i, tiled, mask=ok)
+
+
+@triton.jit
+def _tile_list_kernel(SCHEDULE, TILES, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """The tile list of Note [varlen tile list] written out, one (sequence, tile) pair per entry, for kernels that
+    read their coordinates instead of walking SCHEDULE (the Gluon Hopper kernels: their per-program code has no
+    room for tile_coords' vector prefix sum). Program p writes the tiles of the p-th sequence in SCHEDULE, in
+    tile_coords' order; TILES (2 * bound) int32 comes filled with -1, which marks the entries past the list."""
+    p = tl.program_id(0)
+    seq = tl.load(SCHEDULE + p)
+    n = tl.cdiv(tl.load(SCHEDULE + batch + p), BLOCK)
+    before = 0  # tiles of the sequences before p in SCHEDULE
+    for first in range(0, batch, CHUNK):
+        z = first + tl.arange(0, CHUNK)
+        tiles = tl.cdiv(tl.load(SCHEDULE + batch + z, mask=z < p, other=0), BLOCK)
+        before += tl.sum(tiles, 0)
+    for i in range(n):
+        entry = TILES + 2 * (before + i)
+        tl.store(entry, seq)
+        if LAST_FIRST:
+            tl.store(entry + 1, n - 1 - i)
+        else:
+            tl.store(entry + 1, i)

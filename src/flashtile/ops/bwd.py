@@ -80,8 +80,8 @@ def attention_bwd(
     delta = torch.empty_like(lse)
     ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
     # The Gluon dK/dV kernel (Note [hopper path] in ops/hopper.py) runs after the dQ kernel, without the handoff.
-    gluon = hopper_unsupported(q.device, q.dtype, head_dim, varlen=varlen, seqused=seqused_q is not None or
-                               seqused_k is not None, softcap=softcap, alibi=alibi_slopes is not None) is None
+    gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
+                               softcap=softcap, alibi=alibi_slopes is not None) is None
     # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
     pdl = not gluon and pdl_supported(q.device) and not torch.cuda.is_current_stream_capturing()
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
@@ -111,7 +111,8 @@ def attention_bwd(
            lambda: static("bwd_dq"))
     record("bwd_dq", TRITON)
     if gluon:
-        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right)
+        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
+                        cu_seqlens_q, cu_seqlens_k, order_dkdv)
         record("bwd_dkdv", HOPPER_PATH)
         return grads
     launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, key,

@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import env
 from ..config import block_d
-from ..kernels.seqlen import MAX_SORT, _schedule_kernel
+from ..kernels.seqlen import MAX_SORT, _schedule_kernel, _tile_list_kernel
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -174,6 +174,17 @@ def schedule(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost: t
             HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
             COST_PACKED=cost_packed)
     return out
+
+
+def tile_list(order: torch.Tensor, total: int, block: int, last_first: bool) -> torch.Tensor:
+    """(bound, 2) int32 on the device: `schedule`'s order expanded to one (sequence, tile) entry per tile of `block`
+    rows, in tile_coords' order, and (-1, -1) past the list; bound = cdiv(total, block) + B bounds the list
+    whatever the lengths (tile_grid). One fill and one small launch, no host synchronisation."""
+    batch = order.shape[1]
+    tiles = torch.full((triton.cdiv(total, block) + batch, 2), -1, dtype=torch.int32, device=order.device)
+    if batch > 0:
+        _tile_list_kernel[(batch,)](order, tiles, batch, BLOCK=block, LAST_FIRST=last_first)
+    return tiles
 
 
 def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varlen: bool) -> tuple[int, int, int]:

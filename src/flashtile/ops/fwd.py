@@ -88,10 +88,11 @@ def attention_fwd(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    if k.numel() > 0 and hopper_unsupported(q.device, q.dtype, head_dim, varlen=varlen, paged=paged,
+    if k.numel() > 0 and hopper_unsupported(q.device, q.dtype, head_dim, paged=paged,
                                             seqused=seqused_q is not None or seqused_k is not None, softcap=softcap,
                                             alibi=alibi_slopes is not None) is None:
-        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right)  # Note [hopper path] in ops/hopper.py
+        # Note [hopper path] in ops/hopper.py
+        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, order)
         record("fwd", HOPPER_PATH)
         return out, lse
     record("fwd", TRITON)

@@ -1,17 +1,22 @@
 """The Hopper fast path: which calls run the Gluon kernels, and their launchers.
 
-Note [hopper path]: on sm_90 (H100/H200) the dense forward and the backward's dK/dV pass run warp-specialised
-Gluon kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a
-TMA producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at the head
-dim 128 (config.HOPPER), MHA/GQA/MQA, any lengths, causal and sliding windows; everything else (softcap,
-ALiBi, varlen, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the Triton kernels, and
-the backward's dQ pass always does. `hopper_unsupported` is the one decision: the ops ask it on every call, and
-`flashtile.kernel_paths` asks it for a user, with the reason when the answer is no; `last_kernel_paths` says
-which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path off.
+Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's dK/dV pass run warp-specialised Gluon
+kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA
+producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim
+128 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows; everything
+else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
+Triton kernels, and the backward's dQ pass always does (a Gluon dQ kernel of the same structure measured 3-6%
+slower over forward+backward at S >= 4k and on varlen batches: PERF.md, session 8). `hopper_unsupported` is the
+one decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when
+the answer is no; `last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0
+switches the path off.
 
-The Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D) box, so loads
-past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides (tma_ready
-has made them TMA-legal).
+For a dense batch the Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D)
+box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
+(tma_ready has made them TMA-legal). For a varlen batch each program builds descriptors over its own sequence's
+rows of the packed tensors (kernels/hopper_common.seq_desc: a global-memory write and a fence each, the price of
+never reading a neighbouring sequence) and finds its (sequence, tile) in a list written once per call
+(common.tile_list, in the order of Note [longest sequences first]).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import torch
 from .. import env
 from ..config import HOPPER
 from ..problem import kernel_flags
-from .common import capability, tma_strides
-from .launch import launch_fixed, signature
+from .common import capability, tile_list, tma_strides
+from .launch import launch_fixed, prepare_launch, signature
 
 try:
     from triton.experimental.gluon import language as gl
@@ -42,9 +47,8 @@ TRITON, HOPPER_PATH = "triton", "gluon-sm90"
 _LAST: dict[str, str] = {}
 
 
-def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, varlen: bool = False,
-                       paged: bool = False, seqused: bool = False, softcap: float = 0.0,
-                       alibi: bool = False) -> Optional[str]:
+def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
+                       seqused: bool = False, softcap: float = 0.0, alibi: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
     `head_dim` is the padded one the kernels see."""
     if env.INTERPRET:
@@ -62,7 +66,7 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
     if head_dim not in HOPPER["fwd"]:
         return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
-    for cond, what in ((varlen, "varlen batches"), (paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
+    for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi")):
         if cond:
             return f"{what}: not in the Gluon kernels"
@@ -104,35 +108,66 @@ def _mask_args(window_left: int, window_right: int) -> dict:
     return {"MASK_LEFT": flags["MASK_LEFT"], "MASK_RIGHT": flags["MASK_RIGHT"]}
 
 
-def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int) -> None:
-    """out and lse of a dense (B, S, H, D) problem that hopper_unsupported accepts."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
+        cu_seqlens_k=None, order=None) -> None:
+    """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
+    its cu_seqlens and `schedule`'s launch order (ops/fwd.py)."""
+    nheads, head_dim = q.shape[-2:]
+    nheads_kv = k.shape[-2]
     cfg = HOPPER["fwd"][head_dim]
+    layouts = dict(M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
+                   N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype))
+    constexprs = dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
+                      IS_VARLEN=cu_seqlens_q is not None, **layouts, **cfg.kwargs())
     # The launch key: what the grid, the integer arguments, the constexprs and the descriptors' boxes and
     # specialisation derive from (out and lse are fresh allocations whose layout q's shape fixes).
-    key = (signature(q, k, v), window_left, window_right)
-    grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
-    launch_fixed(
-        _hopper_fwd_kernel, key, grid,
-        (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m), lse,
-         qk_scale),
-        (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right),
-        dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[2], **_mask_args(window_left, window_right),
-             **cfg.kwargs()), num_warps=4)
+    key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
+    if cu_seqlens_q is None:
+        batch, seqlen_q = q.shape[:2]
+        grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m),
+                   lse, None, None, None, qk_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right,
+                  *(0,) * 8, nheads, nheads_kv)
+    else:
+        # Descriptors per sequence, built by the kernel, need Triton's scratch allocator.
+        prepare_launch(q)
+        tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True)
+        grid = (tiles.shape[0], nheads, 1)
+        dynamic = (q, k, v, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
+        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
+                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                  out.stride(1), nheads, nheads_kv)
+    launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
-             window_right: int) -> None:
-    """dk and dv of a dense problem that hopper_unsupported accepts, from the delta the dQ kernel wrote."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+             window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, order=None) -> None:
+    """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with the
+    key side's launch order (ops/bwd.py)."""
+    nheads, head_dim = q.shape[-2:]
+    nheads_kv = k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
-    key = (signature(q, k, v, dout, dk, dv, lse), window_left, window_right)
-    grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
-    launch_fixed(
-        _hopper_dkdv_kernel, key, grid,
-        (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
-         _desc(dk, cfg.block_n), _desc(dv, cfg.block_n), lse, delta, qk_scale, softmax_scale),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right),
-        dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
-             **cfg.kwargs()), num_warps=4)
+    layouts = dict(M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
+                   N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype))
+    constexprs = dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
+                      IS_VARLEN=cu_seqlens_q is not None, **layouts, **cfg.kwargs())
+    key = (signature(q, k, v, dout, dk, dv, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
+    if cu_seqlens_q is None:
+        batch, seqlen_q = q.shape[:2]
+        seqlen_k = k.shape[1]
+        grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
+        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
+                   _desc(dk, cfg.block_n), _desc(dv, cfg.block_n), lse, delta, None, None, None, qk_scale,
+                   softmax_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 12, nheads,
+                  nheads_kv)
+    else:
+        prepare_launch(q)  # the kernel builds descriptors per sequence
+        tiles = tile_list(order, k.shape[0], 2 * cfg.block_n, False)
+        grid = (tiles.shape[0], nheads_kv, 1)
+        dynamic = (q, k, v, dout, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
+        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
+                  *(x for t in (q, k, v, dout, dk, dv) for x in t.stride()[:2]), nheads, nheads_kv)
+    launch_fixed(_hopper_dkdv_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
+
