@@ -7,6 +7,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from .seqlen import seq_lengths
+
 
 @gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
@@ -45,15 +47,22 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def tile_entry(TILES):
-    """A varlen program's (sequence, tile) from the written-out tile list (ops/common.tile_list), and whether it has
-    one. Entries past the list are (-1, -1); such a program becomes tile 0 of sequence 0 with no rows (seq_lengths
-    gives an invalid entry none), so it reads one row and writes nothing. A negative tile would put negative rows
-    in its TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies
-    outside the descriptor (compute-sanitizer, session 8)."""
+def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
+    """A varlen program's (sequence, tile) from the written-out tile list (ops/common.tile_list), whether it has
+    one, and its sequence's query and key rows: (b, tile, valid, q_start, seqlen_q, k_start, seqlen_k), the starts
+    64-bit (a packed total may hold more than 2^31 elements). Entries past the list are (-1, -1); such a program
+    becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none), so it reads one row and
+    writes nothing. A negative tile would put negative rows in its TMA stores' coordinates, which the H200 faults
+    on as an illegal instruction although the whole box lies outside the descriptor (compute-sanitizer, session 8)."""
     entry = TILES + 2 * gl.program_id(0)
     seq = gl.load(entry)
-    return gl.maximum(seq, 0), gl.maximum(gl.load(entry + 1), 0), seq >= 0
+    b = gl.maximum(seq, 0)
+    tile = gl.maximum(gl.load(entry + 1), 0)
+    valid = seq >= 0
+    q_start, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, total_q, False)
+    q_start = q_start.to(gl.int64)
+    k_start, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, total_k, False)
+    return b, tile, valid, q_start, seqlen_q, k_start.to(gl.int64), seqlen_k
 
 
 @gluon.jit
@@ -63,7 +72,7 @@ def seq_desc(base, start, length, stride_m, stride_h, nheads, BLOCK: gl.constexp
     of (BLOCK, 1, HEAD_DIM). Its rows end where the sequence does, so reads past it are zeros and writes are dropped
     (the next sequence's rows are never read: a row of inf or NaN there would survive P = 0 in P V). A sequence
     with no rows gets a one-row descriptor, which the kernels never write to (a program past the tile list reads
-    it; see tile_entry)."""
+    it; see varlen_program)."""
     return tma.make_tensor_descriptor(base + start * stride_m, [gl.maximum(length, 1), nheads, HEAD_DIM],
                                       [stride_m, stride_h, 1], [BLOCK, 1, HEAD_DIM], LAYOUT)
 

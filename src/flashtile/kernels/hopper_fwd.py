@@ -31,9 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tile_entry, tma_load, tma_store
+from .hopper_common import ring_barriers, seq_desc, tma_load, tma_store, varlen_program
 from .masking import LN2, apply_mask, kv_block_range
-from .seqlen import seq_lengths
 
 
 @gluon.jit
@@ -148,11 +147,8 @@ def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_sc
     h = gl.program_id(1)
     hk = h // GROUP
     if IS_VARLEN:
-        b, pid_m, valid = tile_entry(TILES)
-        q_start, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, seqlen_q, False)
-        q_start = q_start.to(gl.int64)  # 64-bit row offsets: a packed total may hold more than 2^31 elements
-        k_start, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, seqlen_k, False)
-        k_start = k_start.to(gl.int64)
+        b, pid_m, valid, q_start, seqlen_q, k_start, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                                seqlen_q, seqlen_k)
         q_desc = seq_desc(Q, q_start, seqlen_q, stride_qm, stride_qh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
         k_desc = seq_desc(K, k_start, seqlen_k, stride_km, stride_kh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
         v_desc = seq_desc(V, k_start, seqlen_k, stride_vm, stride_vh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
