@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..config import HOPPER
+from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
 from .common import capability, tile_list, tma_strides
 from .launch import launch_fixed, prepare_launch, signature
@@ -103,9 +103,16 @@ def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     return desc
 
 
-def _mask_args(window_left: int, window_right: int) -> dict:
+def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left: int, window_right: int,
+                varlen: bool) -> dict:
+    """The constexprs both Gluon kernels take: tile, head dim, GQA group, mask flags, and the shared layouts of
+    a varlen batch's per-sequence (rows, 1, D) boxes (dense batches take theirs from the host descriptors)."""
+    nheads, head_dim = q.shape[-2:]
     flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16)
-    return {"MASK_LEFT": flags["MASK_LEFT"], "MASK_RIGHT": flags["MASK_RIGHT"]}
+    return dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[-2], MASK_LEFT=flags["MASK_LEFT"],
+                MASK_RIGHT=flags["MASK_RIGHT"], IS_VARLEN=varlen,
+                M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
+                N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype), **cfg.kwargs())
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
@@ -115,10 +122,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     nheads, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
     cfg = HOPPER["fwd"][head_dim]
-    layouts = dict(M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
-                   N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype))
-    constexprs = dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
-                      IS_VARLEN=cu_seqlens_q is not None, **layouts, **cfg.kwargs())
+    constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
     # The launch key: what the grid, the integer arguments, the constexprs and the descriptors' boxes and
     # specialisation derive from (out and lse are fresh allocations whose layout q's shape fixes).
     key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
@@ -136,8 +140,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         grid = (tiles.shape[0], nheads, 1)
         dynamic = (q, k, v, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
-                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                  out.stride(1), nheads, nheads_kv)
+                  *(x for t in (q, k, v, out) for x in t.stride()[:2]), nheads, nheads_kv)
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
@@ -148,10 +151,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
     nheads, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
-    layouts = dict(M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
-                   N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype))
-    constexprs = dict(HEAD_DIM=head_dim, GROUP=nheads // nheads_kv, **_mask_args(window_left, window_right),
-                      IS_VARLEN=cu_seqlens_q is not None, **layouts, **cfg.kwargs())
+    constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
     key = (signature(q, k, v, dout, dk, dv, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
     if cu_seqlens_q is None:
         batch, seqlen_q = q.shape[:2]
