@@ -122,20 +122,22 @@ def test_launch_arguments_match_the_kernels(monkeypatch, which, varlen):
     assert all(not p.is_constexpr for p in params[:len(dynamic) + len(static)])
     ints = dict(zip((p.name for p in params[len(dynamic):]), static))
     q, k = t["q"], t["k"]
-    if not varlen:  # host descriptors, in the kernel's order, each over its tensor with its box
-        order = {"fwd": ("q", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv")}[which]
-        descs = [d for d in dynamic if hasattr(d, "block_shape")]
-        assert [d.base for d in descs] == [t[n] for n in order]
-        rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
-        assert [d.block_shape for d in descs] == [[1, r, 1, 128] for r in rows]
-        assert [d.strides for d in descs] == [list(t[n].stride()) for n in order]
+    # Host descriptors, in the kernel's order, each over its tensor with its box: every one for a dense batch; the
+    # varlen forward's Q and K (Note [varlen descriptors]); none for the varlen dK/dV.
+    order = {"fwd": ("q", "k") if varlen else ("q", "k", "v", "out"),
+             "bwd_dkdv": () if varlen else ("q", "k", "v", "dout", "dk", "dv")}[which]
+    descs = [d for d in dynamic if hasattr(d, "block_shape")]
+    assert [d.base for d in descs] == [t[n] for n in order]
+    rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
+    assert [d.block_shape for d in descs] == [[*([] if varlen else [1]), r, 1, 128] for r in rows]
+    assert [d.strides for d in descs] == [list(t[n].stride()) for n in order]
     assert (ints["seqlen_q"], ints["seqlen_k"]) == ((q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1]))
     assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
     assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
     assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128 and constexprs["IS_VARLEN"] == varlen
     if varlen:
         assert (ints["nheads"], ints["nheads_kv"]) == (4, 2)
-        names = {"fwd": "qkvo", "bwd_dkdv": ("q", "k", "v", "do", "dk", "dv")}
+        names = {"fwd": "vo", "bwd_dkdv": ("q", "k", "v", "do", "dk", "dv")}
         tensors = dict(q=q, k=k, v=t["v"], o=t["out"], do=t["dout"], dk=t["dk"], dv=t["dv"])
         for n in names[which]:
             assert (ints[f"stride_{n}m"], ints[f"stride_{n}h"]) == tensors[n].stride()[:2], n

@@ -199,6 +199,35 @@ def test_rows_past_seqused_k_are_never_used(device, causal):
     assert torch.equal(run(k_nan, v_nan), expected)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, from the poisoned sequence's own NaN arithmetic
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sequence_never_reads_its_neighbours(device, causal):
+    """NaN and inf in one sequence's q, k and v change no other sequence's output or lse, bitwise. The Hopper
+    forward reads Q and K through descriptors over the whole packed tensors, so a tile that runs past its sequence
+    loads the next one's rows (Note [varlen descriptors] in kernels/hopper_fwd.py); on a GPU this runs it (bf16,
+    d128), here the Triton kernels."""
+    gpu = device != "cpu"
+    dtype, head_dim = (torch.bfloat16, 128) if gpu else (torch.float16, 32)
+    lens = [100, 37, 70] if gpu else [20, 9, 14]
+    q, k, v, _, cu, _ = varlen_inputs(device, lens, lens, head_dim=head_dim, dtype=dtype, seed=29)
+
+    def run(q, k, v):
+        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                                       return_attn_probs=True)
+        return out, lse
+
+    expected = run(q, k, v)
+    rows = slice(lens[0], lens[0] + lens[1])
+    others = torch.ones(sum(lens), dtype=torch.bool, device=device)
+    others[rows] = False
+    for bad in (float("nan"), float("inf")):
+        poisoned = [t.clone() for t in (q, k, v)]
+        for t in poisoned:
+            t[rows] = bad
+        out, lse = run(*poisoned)
+        assert torch.equal(out[others], expected[0][others]) and torch.equal(lse[:, others], expected[1][:, others])
+
+
 def test_fully_masked_rows(device):
     """Causal with seqlen_q > seqlen_k: the first rows of a sequence see no key. They output exactly 0 with lse
     +inf and pass no NaN into any gradient."""

@@ -37,17 +37,20 @@ from .masking import LN2, apply_mask, kv_block_range
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+            q_row0, k_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
+    """q_row0 and k_row0: where the sequence's rows start in q_desc and k_desc (varlen's packed descriptors; 0
+    for a dense batch). v_desc is over the sequence's own rows (varlen) or the batch (dense)."""
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma_load(q_desc, b, m_start + c * BLOCK_M, h, q_bars.index(c), q_s.index(c), IS_VARLEN)
+        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, q_bars.index(c), q_s.index(c), IS_VARLEN)
     for j in range(n_blocks):
         slot = j % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first pass waits for nothing.
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, b, lo + j * BLOCK_N, hk, bar, k_s.index(slot), IS_VARLEN)
+        tma_load(k_desc, b, k_row0 + lo + j * BLOCK_N, hk, bar, k_s.index(slot), IS_VARLEN)
         tma_load(v_desc, b, lo + j * BLOCK_N, hk, bar, v_s.index(slot), IS_VARLEN)
 
 
@@ -132,33 +135,44 @@ def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty,
 @gluon.jit
 def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
                        stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
-                       stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
-                       nheads, nheads_kv,
+                       stride_vm, stride_vh, stride_om, stride_oh, nheads, nheads_kv,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, M_LAYOUT: gl.constexpr,
                        N_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Dense: Q, K, V, O are host descriptors over (B, S, H, D) (ops/hopper.py), the grid is (query tiles of
-    2 x BLOCK_M rows, H, B), and the strides, nheads, TILES and the CU_SEQLENS are unused. Varlen: Q, K, V, O are
-    the packed (total, H, D) tensors, seqlen_q/k their totals, and the grid is (the tile list's bound, H): each
-    program reads its (sequence, tile) from TILES (ops/common.tile_list: longest sequences first, and within one
-    the last tile first) and builds descriptors over its sequence (hopper_common.seq_desc)."""
+    2 x BLOCK_M rows, H, B), and the strides, nheads, TILES and the CU_SEQLENS are unused. Varlen: Q and K are host
+    descriptors over the packed (total, H, D) tensors, V and O the tensors themselves, seqlen_q/k the totals, and
+    the grid is (the tile list's bound, H): each program reads its (sequence, tile) from TILES (ops/common.tile_list:
+    longest sequences first, and within one the last tile first) and builds descriptors over its sequence's rows
+    of V and O (hopper_common.seq_desc).
+
+    Note [varlen descriptors]: a device-built descriptor costs a global write and a fence before the first load
+    that uses it, on programs that mostly run 1-8 key blocks. Q and K need none: rows of Q past the sequence (the
+    next sequence's, or TMA's zeros past the total) give rows that are neither stored nor written to the LSE,
+    and keys past it sit in a masked block, whose scores apply_mask replaces (a where, so inf or NaN there does not
+    survive). V does: a row past the sequence meets P = 0, and 0 x inf is NaN, so its rows must end where the
+    sequence does. O's stores must stop there too."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
     h = gl.program_id(1)
     hk = h // GROUP
     if IS_VARLEN:
         b, pid_m, valid, q_start, seqlen_q, k_start, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                                                 seqlen_q, seqlen_k)
-        q_desc = seq_desc(Q, q_start, seqlen_q, stride_qm, stride_qh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
-        k_desc = seq_desc(K, k_start, seqlen_k, stride_km, stride_kh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
         v_desc = seq_desc(V, k_start, seqlen_k, stride_vm, stride_vh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
         o_desc = seq_desc(O, q_start, seqlen_q, stride_om, stride_oh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
+        # TMA coordinates are 32-bit: a packed tensor's row count is far below 2^31.
+        q_row0 = q_start.to(gl.int32)
+        k_row0 = k_start.to(gl.int32)
     else:
         # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         b = gl.program_id(2)
         q_start = 0
-        q_desc, k_desc, v_desc, o_desc = Q, K, V, O
+        v_desc, o_desc = V, O
+        q_row0 = 0
+        k_row0 = 0
+    q_desc, k_desc = Q, K
     m_start = pid_m * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
                                               MASK_LEFT, MASK_RIGHT)
@@ -184,5 +198,5 @@ def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_sc
                      n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                      MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
         (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-                   BLOCK_M, BLOCK_N, STAGES, IS_VARLEN)),
+                   q_row0, k_row0, BLOCK_M, BLOCK_N, STAGES, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

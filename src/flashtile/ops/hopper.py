@@ -13,10 +13,11 @@ switches the path off.
 
 For a dense batch the Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
-(tma_ready has made them TMA-legal). For a varlen batch each program builds descriptors over its own sequence's
-rows of the packed tensors (kernels/hopper_common.seq_desc: a global-memory write and a fence each, the price of
-never reading a neighbouring sequence) and finds its (sequence, tile) in a list written once per call
-(common.tile_list, in the order of Note [longest sequences first]).
+(tma_ready has made them TMA-legal). For a varlen batch each program finds its (sequence, tile) in a list written
+once per call (common.tile_list, in the order of Note [longest sequences first]). The forward reads Q and K through
+host descriptors over the packed tensors; V, O and the tensors of dK/dV go through descriptors that each program
+builds over its own sequence's rows (kernels/hopper_common.seq_desc: a global-memory write and a fence each), since
+there a neighbouring sequence's row could change the result (Note [varlen descriptors] in kernels/hopper_fwd.py).
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ def _layout(box: tuple, dtype: torch.dtype):
 
 
 def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-    """A descriptor over (B, S, H, D) whose box is one head's (rows, D) tile of one sequence."""
+    """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
     shape, strides = list(t.shape), tma_strides(t)
-    box = (1, rows, 1, shape[-1])
+    box = (*(1,) * (t.dim() - 3), rows, 1, shape[-1])
     # Built without the dataclass's checks (alignment, strides, box), which tma_ready and the config guarantee, as
     # common.host_desc does (Note [launch cache] in ops/launch.py).
     desc = TensorDescriptor.__new__(TensorDescriptor)
@@ -132,15 +133,17 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m),
                    lse, None, None, None, qk_scale)
         static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right,
-                  *(0,) * 8, nheads, nheads_kv)
+                  *(0,) * 4, nheads, nheads_kv)
     else:
-        # Descriptors per sequence, built by the kernel, need Triton's scratch allocator.
+        # Q and K through descriptors over the packed tensors, V and O through ones over each sequence's rows,
+        # which the kernel builds and which need Triton's scratch allocator (Note [varlen descriptors]).
         prepare_launch(q)
         tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True)
         grid = (tiles.shape[0], nheads, 1)
-        dynamic = (q, k, v, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
+        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), v, out, lse, tiles, cu_seqlens_q, cu_seqlens_k,
+                   qk_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
-                  *(x for t in (q, k, v, out) for x in t.stride()[:2]), nheads, nheads_kv)
+                  *(x for t in (v, out) for x in t.stride()[:2]), nheads, nheads_kv)
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
