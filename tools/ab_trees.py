@@ -1,0 +1,81 @@
+"""Timings of one source tree, for an A/B of two trees in alternating processes (tools/ab_trees.sh).
+
+A kernel change is judged against the tree it replaces on the same GPU in the same device call, each tree in its
+own process (its own compiled kernels and launch cache), in alternating order, because run-to-run spread on the
+H200 (2-3%) is the size of the effects being measured. Which tree is imported is PYTHONPATH's business.
+
+Prints one JSON line per case: d128 bf16 H=16, B·S = 16k at S = 1k / 4k / 16k and the varlen preset's mix
+(bench/cases.VARLEN_MIX), causal and not; forward, or forward+backward with --fwdbwd. Each line carries the kernel
+paths that ran and a checksum of the output (and of dq with --fwdbwd), which two trees that compute the same thing
+must agree on to within rounding.
+
+Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense|varlen]
+"""
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+import flashtile
+
+# The varlen preset's mix (bench/cases.py), repeated here so that an older tree without it can be timed too.
+MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1111, 333, 400, 547)
+HEADS, HEAD_DIM = 16, 128
+
+
+def cases(only: str):
+    dense = [(b, s, causal) for b, s in ((16, 1024), (4, 4096), (1, 16384)) for causal in (False, True)]
+    varlen = [("mix", 0, causal) for causal in (False, True)]
+    return {"dense": dense, "varlen": varlen}.get(only, dense + varlen)
+
+
+def problem(b, s, causal: bool, gen):
+    """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time."""
+    if b == "mix":
+        cu = torch.tensor([0, *torch.tensor(MIX).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        shape = (int(cu[-1]), HEADS, HEAD_DIM)
+        flops = sum(4 * HEADS * n * n * HEAD_DIM for n in MIX)
+    else:
+        shape = (b, s, HEADS, HEAD_DIM)
+        flops = 4 * b * HEADS * s * s * HEAD_DIM
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    if b == "mix":
+        def call(q, k, v):
+            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(MIX), max(MIX), causal=causal)
+    else:
+        def call(q, k, v):
+            return flashtile.flash_attn_func(q, k, v, causal=causal)
+    return call, (q, k, v), flops * (0.5 if causal else 1.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("label")
+    parser.add_argument("--fwdbwd", action="store_true", help="time forward + backward (FLOPs: 3.5x forward)")
+    parser.add_argument("--only", choices=["dense", "varlen"], default=None)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, s, causal in cases(args.only):
+        call, leaves, flops = problem(b, s, causal, gen)
+        if args.fwdbwd:
+            leaves = [t.requires_grad_() for t in leaves]
+            dout = torch.randn_like(leaves[0])
+
+            def fn():
+                return torch.autograd.grad(call(*leaves), leaves, dout)
+            checked = fn()[0]
+            flops *= 3.5
+        else:
+            def fn():
+                return call(*leaves)
+            checked = fn()
+        ms = do_bench(fn, warmup=50, rep=400, return_mode="median")
+        print(json.dumps(dict(label=args.label, case=f"{b} s{s}", causal=causal, fwdbwd=args.fwdbwd, ms=ms,
+                              tflops=flops / ms / 1e9, paths=flashtile.last_kernel_paths(),
+                              checksum=checked.float().abs().sum().item())), flush=True)
+
+
+if __name__ == "__main__":
+    main()
