@@ -202,19 +202,20 @@ def test_rows_past_seqused_k_are_never_used(device, causal):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, from the poisoned sequence's own NaN arithmetic
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_sequence_never_reads_its_neighbours(device, causal):
-    """NaN and inf in one sequence's q, k and v change no other sequence's output or lse, bitwise. The Hopper
-    forward reads Q and K through descriptors over the whole packed tensors, so a tile that runs past its sequence
-    loads the next one's rows (Note [varlen descriptors] in kernels/hopper_fwd.py); on a GPU this runs it (bf16,
-    d128), here the Triton kernels."""
+    """NaN and inf in one sequence's q, k and v change no other sequence's output, lse or gradients, bitwise. The
+    Hopper forward reads Q and K through descriptors over the whole packed tensors, so a tile that runs past its
+    sequence loads the next one's rows (Note [varlen descriptors] in kernels/hopper_fwd.py); on a GPU this runs
+    it (bf16, d128), here the Triton kernels."""
     gpu = device != "cpu"
     dtype, head_dim = (torch.bfloat16, 128) if gpu else (torch.float16, 32)
     lens = [100, 37, 70] if gpu else [20, 9, 14]
-    q, k, v, _, cu, _ = varlen_inputs(device, lens, lens, head_dim=head_dim, dtype=dtype, seed=29)
+    q, k, v, dout, cu, _ = varlen_inputs(device, lens, lens, head_dim=head_dim, dtype=dtype, seed=29)
 
     def run(q, k, v):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
                                                        return_attn_probs=True)
-        return out, lse
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
 
     expected = run(q, k, v)
     rows = slice(lens[0], lens[0] + lens[1])
@@ -224,8 +225,10 @@ def test_a_sequence_never_reads_its_neighbours(device, causal):
         poisoned = [t.clone() for t in (q, k, v)]
         for t in poisoned:
             t[rows] = bad
-        out, lse = run(*poisoned)
-        assert torch.equal(out[others], expected[0][others]) and torch.equal(lse[:, others], expected[1][:, others])
+        got = run(*poisoned)
+        assert torch.equal(got[1][:, others], expected[1][:, others])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (expected[0], *expected[2:])):
+            assert torch.equal(a[others], b[others]), name
 
 
 def test_fully_masked_rows(device):
