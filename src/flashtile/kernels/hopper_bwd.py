@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tma_load, tma_store, varlen_program
+from .hopper_common import ring_barriers, seq_desc, tile_buffers, tma_load, tma_store, varlen_program
 from .masking import LOG2E, q_block_range
 
 
@@ -198,17 +198,10 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, TILES, CU_SEQLENS_Q, CU
     n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
                                   n_front), n_tiles)
     lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh + q_start
-    dtype: gl.constexpr = q_desc.dtype
-    if IS_VARLEN:
-        k_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-        v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-        q_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-        do_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
-    else:
-        k_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-        v_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-        q_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-        do_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    k_s = tile_buffers(k_desc, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(v_desc, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    q_s = tile_buffers(q_desc, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    do_s = tile_buffers(do_desc, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     kv_bars, ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,

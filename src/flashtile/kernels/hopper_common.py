@@ -28,6 +28,16 @@ def ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def tile_buffers(desc, N: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """N shared-memory buffers of one box of desc each, in the shape tma_load fills: (ROWS, 1, D) through a
+    descriptor over a packed (total, H, D) tensor, (1, ROWS, 1, D) through one over (B, S, H, D)."""
+    if IS_VARLEN:
+        return gl.allocate_shared_memory(desc.dtype, [N, ROWS, 1, HEAD_DIM], desc.layout)
+    else:
+        return gl.allocate_shared_memory(desc.dtype, [N, 1, ROWS, 1, HEAD_DIM], desc.layout)
+
+
+@gluon.jit
 def tma_load(desc, b, row, h, bar, dst, IS_VARLEN: gl.constexpr):
     """TMA-load the box at (sequence b, row, head h) into dst: a host descriptor over (B, S, H, D) for a dense
     batch, a per-sequence one over (rows, H, D) for a varlen batch (built by the kernel; see hopper_fwd.py)."""

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tma_load, tma_store, varlen_program
+from .hopper_common import ring_barriers, seq_desc, tile_buffers, tma_load, tma_store, varlen_program
 from .masking import LN2, apply_mask, kv_block_range
 
 
@@ -180,15 +180,9 @@ def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_sc
     if IS_VARLEN:
         n_blocks = gl.where(valid, n_blocks, 0)
     lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
-    dtype: gl.constexpr = q_desc.dtype
-    if IS_VARLEN:
-        q_s = gl.allocate_shared_memory(dtype, [2, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-        k_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-        v_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    else:
-        q_s = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-        k_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-        v_s = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_s = tile_buffers(q_desc, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    k_s = tile_buffers(k_desc, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(v_desc, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
     q_bars, ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (0, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
