@@ -96,13 +96,13 @@ FLAG_SETS = {
 }
 
 
-# The Gluon Hopper kernels (ops/hopper.py): tensor arguments -> the tile-config field giving their box rows. Dense
-# batches pass host descriptors for them, varlen batches the packed tensors except HOPPER_VARLEN_DESCS.
+# The Gluon Hopper kernels (ops/hopper.py): tensor arguments -> the tile-config field giving their box rows, of the
+# host descriptors both dense and varlen batches pass for them.
 HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel}
 HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "K": "block_n", "V": "block_n", "DK": "block_n",
                   "DV": "block_n"}
-# What a varlen batch passes host descriptors for, over the packed (total, H, D) tensors with (rows, 1, D) boxes.
-HOPPER_VARLEN_DESCS = {"fwd": {"Q", "K"}, "bwd_dkdv": set()}
+# Output tensors a varlen batch also passes as pointers, for the partial last tile of a sequence.
+HOPPER_POINTERS = {"O_PTR", "DK_PTR", "DV_PTR"}
 # (MASK_LEFT, MASK_RIGHT, IS_VARLEN): no mask, causal, sliding window; causal varlen.
 HOPPER_FLAGS = {"dense": (False, False, False), "causal": (False, True, False), "window": (True, True, False),
                 "varlen causal": (False, True, True)}
@@ -113,16 +113,16 @@ def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right:
     """One Gluon Hopper kernel for sm_90, with the descriptors ops/hopper.py builds ((1, rows, 1, D) boxes over
     dense tensors, (rows, 1, D) over packed ones)."""
     fn = HOPPER_KERNELS[kernel]
-    layouts = {rows: gl.NVMMASharedLayout.get_default_for([getattr(cfg, rows), 1, head_dim], gl.bfloat16)
-               for rows in ("block_m", "block_n")}
     consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, IS_VARLEN=varlen,
-                  M_LAYOUT=layouts["block_m"], N_LAYOUT=layouts["block_n"], **cfg.kwargs())
+                  **cfg.kwargs())
     signature = {}
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in HOPPER_TENSORS and varlen and name not in HOPPER_VARLEN_DESCS[kernel]:
-            signature[name] = "*bf16"
+        elif name in HOPPER_POINTERS:
+            signature[name] = "*bf16" if varlen else "constexpr"
+            if not varlen:
+                consts[name] = None
         elif name in HOPPER_TENSORS:
             box = [*([] if varlen else [1]), getattr(cfg, HOPPER_TENSORS[name]), 1, head_dim]
             layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)

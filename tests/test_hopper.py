@@ -73,33 +73,33 @@ def test_kernel_paths_validates_like_the_api():
         flashtile.kernel_paths(q, torch.randn(1, 9, 3, 64), torch.randn(1, 9, 3, 64))
 
 
-def _captured_launch(monkeypatch, which, varlen):
-    """The arguments ops/hopper.py would launch its Gluon kernel with, for CPU tensors (nothing is launched)."""
+def _captured_launch(monkeypatch, device, which, varlen):
+    """The arguments ops/hopper.py would launch its Gluon kernel with (nothing is launched; a varlen batch's tile
+    list is written, on the test device)."""
     from flashtile.ops.common import schedule
 
     calls = []
     monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:
                         calls.append((kernel, grid, dynamic, static, constexprs)))
-    monkeypatch.setattr(hopper, "prepare_launch", lambda t: None)
     lens_q, lens_k = [100, 0, 37], [130, 5, 37]
     pads = iter(range(8, 200, 8))
 
     def tensor(*shape):
         # Each tensor a view with its own row and head strides, so that a stride passed for the wrong tensor shows.
-        return torch.empty(*shape[:-1], shape[-1] + next(pads), dtype=torch.bfloat16)[..., :shape[-1]]
+        return torch.empty(*shape[:-1], shape[-1] + next(pads), dtype=torch.bfloat16, device=device)[..., :shape[-1]]
 
     q_shape, kv_shape = ((sum(lens_q), 4, 128), (sum(lens_k), 2, 128)) if varlen else ((2, 100, 4, 128),
                                                                                         (2, 130, 2, 128))
     q, out, dout = (tensor(*q_shape) for _ in range(3))
     k, v, dk, dv = (tensor(*kv_shape) for _ in range(4))
     if varlen:
-        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
                       for n in (lens_q, lens_k))
-        lse = torch.empty(4, q.shape[0])
+        lse = torch.empty(4, q.shape[0], device=device)
         tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if which != "bwd_dkdv" else (cu_k, k.shape[0], cu_q, q.shape[0])
         seq = (cu_q, cu_k, schedule(tiled[0], None, tiled[1], tiled[2], None, tiled[3]))
     else:
-        lse = torch.empty(2, 4, 100)
+        lse = torch.empty(2, 4, 100, device=device)
         seq = ()
     if which == "fwd":
         hopper.fwd(q, k, v, out, lse, 0.1, -1, 0, *seq)
@@ -112,20 +112,19 @@ def _captured_launch(monkeypatch, which, varlen):
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("which", list(HOPPER))
-def test_launch_arguments_match_the_kernels(monkeypatch, which, varlen):
+def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     """Each Gluon launch passes every kernel parameter once, constexprs as constexprs, and the integers by name:
     a launcher/kernel mismatch would otherwise first show on a GPU."""
-    (kernel, grid, dynamic, static, constexprs), t = _captured_launch(monkeypatch, which, varlen)
+    (kernel, grid, dynamic, static, constexprs), t = _captured_launch(monkeypatch, device, which, varlen)
     params = kernel.params
     assert len(dynamic) + len(static) + len(constexprs) == len(params)
     assert {p.name for p in params if p.is_constexpr} == set(constexprs)
     assert all(not p.is_constexpr for p in params[:len(dynamic) + len(static)])
     ints = dict(zip((p.name for p in params[len(dynamic):]), static))
     q, k = t["q"], t["k"]
-    # Host descriptors, in the kernel's order, each over its tensor with its box: every one for a dense batch; the
-    # varlen forward's Q and K (Note [varlen descriptors]); none for the varlen dK/dV.
-    order = {"fwd": ("q", "k") if varlen else ("q", "k", "v", "out"),
-             "bwd_dkdv": () if varlen else ("q", "k", "v", "dout", "dk", "dv")}[which]
+    # Host descriptors, in the kernel's order, each over its tensor with its box, dense or varlen (Note [varlen
+    # descriptors]).
+    order = {"fwd": ("q", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv")}[which]
     descs = [d for d in dynamic if hasattr(d, "block_shape")]
     assert [d.base for d in descs] == [t[n] for n in order]
     rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
@@ -135,12 +134,15 @@ def test_launch_arguments_match_the_kernels(monkeypatch, which, varlen):
     assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
     assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
     assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128 and constexprs["IS_VARLEN"] == varlen
+    # A varlen batch also passes the output tensors themselves, with their strides, for a sequence's partial last
+    # tile (parameter, tensor, stride prefix).
+    named = dict(zip((p.name for p in params), dynamic))
+    outputs = {"fwd": [("O_PTR", "out", "o")], "bwd_dkdv": [("DK_PTR", "dk", "dk"), ("DV_PTR", "dv", "dv")]}[which]
+    for param, name, prefix in outputs:
+        assert named[param] is (t[name] if varlen else None), param
+        strides = (ints[f"stride_{prefix}m"], ints[f"stride_{prefix}h"])
+        assert strides == (t[name].stride()[:2] if varlen else (0, 0)), param
     if varlen:
-        assert (ints["nheads"], ints["nheads_kv"]) == (4, 2)
-        names = {"fwd": "vo", "bwd_dkdv": ("q", "k", "v", "do", "dk", "dv")}
-        tensors = dict(q=q, k=k, v=t["v"], o=t["out"], do=t["dout"], dk=t["dk"], dv=t["dv"])
-        for n in names[which]:
-            assert (ints[f"stride_{n}m"], ints[f"stride_{n}h"]) == tensors[n].stride()[:2], n
         # One program per entry of the tile list, which covers every tile of the tiled side.
         assert grid[1:] == (4 if which != "bwd_dkdv" else 2, 1)
     else:

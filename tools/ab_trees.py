@@ -5,11 +5,12 @@ own process (its own compiled kernels and launch cache), in alternating order, b
 H200 (2-3%) is the size of the effects being measured. Which tree is imported is PYTHONPATH's business.
 
 Prints one JSON line per case: d128 bf16 H=16, B·S = 16k at S = 1k / 4k / 16k and the varlen preset's mix
-(bench/cases.VARLEN_MIX), causal and not; forward, or forward+backward with --fwdbwd. Each line carries the kernel
-paths that ran and a checksum of the output (and of dq with --fwdbwd), which two trees that compute the same thing
-must agree on to within rounding.
+(bench/cases.VARLEN_MIX), causal and not; with --only uniform, varlen batches of 16 x 1k and 4 x 4k tokens beside
+the dense batches of the same shapes (the same tiles: what the varlen machinery alone costs); forward, or
+forward+backward with --fwdbwd. Each line carries the kernel paths that ran and a checksum of the output (of dq, dk
+and dv with --fwdbwd), which two trees that compute the same thing must agree on to within rounding.
 
-Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense|varlen]
+Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform]
 """
 
 import argparse
@@ -22,28 +23,34 @@ import flashtile
 
 # The varlen preset's mix (bench/cases.py), repeated here so that an older tree without it can be timed too.
 MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1111, 333, 400, 547)
+MIXES = {"mix": MIX, "uni1k": (1024,) * 16, "uni4k": (4096,) * 4}
 HEADS, HEAD_DIM = 16, 128
 
 
 def cases(only: str):
     dense = [(b, s, causal) for b, s in ((16, 1024), (4, 4096), (1, 16384)) for causal in (False, True)]
     varlen = [("mix", 0, causal) for causal in (False, True)]
-    return {"dense": dense, "varlen": varlen}.get(only, dense + varlen)
+    uniform = [(b, s, causal) for pair in ((16, 1024), ("uni1k", 0), (4, 4096), ("uni4k", 0)) for b, s in [pair]
+               for causal in (False, True)]
+    groups = {"dense": dense, "varlen": varlen, "uniform": uniform}
+    return [c for name in only.split(",") for c in groups[name]] if only else dense + varlen
 
 
 def problem(b, s, causal: bool, gen):
     """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time."""
-    if b == "mix":
-        cu = torch.tensor([0, *torch.tensor(MIX).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    varlen = b in MIXES
+    if varlen:
+        lens = MIXES[b]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
         shape = (int(cu[-1]), HEADS, HEAD_DIM)
-        flops = sum(4 * HEADS * n * n * HEAD_DIM for n in MIX)
+        flops = sum(4 * HEADS * n * n * HEAD_DIM for n in lens)
     else:
         shape = (b, s, HEADS, HEAD_DIM)
         flops = 4 * b * HEADS * s * s * HEAD_DIM
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    if b == "mix":
+    if varlen:
         def call(q, k, v):
-            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(MIX), max(MIX), causal=causal)
+            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
     else:
         def call(q, k, v):
             return flashtile.flash_attn_func(q, k, v, causal=causal)
@@ -54,18 +61,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("label")
     parser.add_argument("--fwdbwd", action="store_true", help="time forward + backward (FLOPs: 3.5x forward)")
-    parser.add_argument("--only", choices=["dense", "varlen"], default=None)
+    parser.add_argument("--only", default=None, help="comma-separated groups: dense, varlen, uniform")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, s, causal in cases(args.only):
         call, leaves, flops = problem(b, s, causal, gen)
         if args.fwdbwd:
             leaves = [t.requires_grad_() for t in leaves]
-            dout = torch.randn_like(leaves[0])
+            dout = torch.randn(leaves[0].shape, device="cuda", dtype=leaves[0].dtype, generator=gen)
 
             def fn():
                 return torch.autograd.grad(call(*leaves), leaves, dout)
-            checked = fn()[0]
+            checked = torch.cat([g.flatten() for g in fn()])
             flops *= 3.5
         else:
             def fn():

@@ -20,7 +20,11 @@ The program's query range is q_block_range's for its 2 x BLOCK_N keys; the tiles
 the program does not see run masked, with masking.apply_mask's test rearranged so that only per-key bounds move
 with the tile (_tile says why); a consumer whose keys a tile does not reach at all computes zeros. Query rows past
 seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0 (as in
-kernels/bwd.py); keys past seqlen_k are TMA's zero fill, and the 4-d descriptors' stores drop their gradient rows.
+kernels/bwd.py). In a dense batch, rows past a sequence are TMA's zero fill and the 4-d descriptors' stores drop
+their gradient rows. A varlen batch's descriptors run over the packed tensors (Note [varlen descriptors] in
+hopper_fwd.py): key rows past the sequence only reach their own rows of dK and dV, which are not stored (the last
+key tile goes through hopper_common.store_rows); query and dO rows past it would reach every key's gradient
+(0 x inf in dSᵀ Q and Pᵀ dO), so the consumers zero them in the last query tile (zero_rows_from).
 
 Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
 windows. Not softcap, ALiBi, seqused.
@@ -31,19 +35,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tile_buffers, tma_load, tma_store, varlen_program
+from .hopper_common import (ring_barriers, store_rows, tile_buffers, tma_load, tma_store, varlen_program,
+                            zero_rows_from)
 from .masking import LOG2E, q_block_range
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
-            n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-            IS_VARLEN: gl.constexpr):
+            n_tiles, q_row0, k_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            GROUP: gl.constexpr, IS_VARLEN: gl.constexpr):
     for c in gl.static_range(2):
         bar = kv_bars.index(c)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, b, n_start + c * BLOCK_N, hk, bar, k_s.index(c), IS_VARLEN)
-        tma_load(v_desc, b, n_start + c * BLOCK_N, hk, bar, v_s.index(c), IS_VARLEN)
+        tma_load(k_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, k_s.index(c), IS_VARLEN)
+        tma_load(v_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, v_s.index(c), IS_VARLEN)
     for g in range(GROUP):
         h = hk * GROUP + g
         for t in range(n_tiles):
@@ -52,21 +57,25 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma_load(q_desc, b, lo + t * BLOCK_M, h, bar, q_s.index(slot), IS_VARLEN)
-            tma_load(do_desc, b, lo + t * BLOCK_M, h, bar, do_s.index(slot), IS_VARLEN)
+            tma_load(q_desc, b, q_row0 + lo + t * BLOCK_M, h, bar, q_s.index(slot), IS_VARLEN)
+            tma_load(do_desc, b, q_row0 + lo + t * BLOCK_M, h, bar, do_s.index(slot), IS_VARLEN)
 
 
 @gluon.jit
 def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr, kl, offs_m, st_zero,
           seqlen_q, qk_scale, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
           BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr,
-          MASK_RIGHT: gl.constexpr):
+          MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv)."""
     dtype: gl.constexpr = q_s.dtype
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     q_t = q_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_t = do_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    if IS_VARLEN and MASKED:  # the tile that crosses the sequence's end is a masked one
+        if m_start + BLOCK_M > seqlen_q:
+            zero_rows_from(q_t, seqlen_q - m_start, BLOCK_M, HEAD_DIM)
+            zero_rows_from(do_t, seqlen_q - m_start, BLOCK_M, HEAD_DIM)
     st = warpgroup_mma(k_c, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_c, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     # This tile's LSE and delta rows, read under the two matmuls just issued.
@@ -105,11 +114,11 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
-              n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-              softmax_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
+def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready,
+              empty, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k,
+              wl, wr, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = dk_desc.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -140,52 +149,54 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s
             for t in range(t0, t1):
                 dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                               BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
+                               BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT, IS_VARLEN)
             for t in range(t1, gl.where(ph == 0, n_mid, t1)):
                 dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                               BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT)
+                               BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT, IS_VARLEN)
         lse_h += stride_lh
         delta_h += stride_lh
-    # K and V are no longer read: this consumer's buffers stage its dK and dV for the TMA stores.
-    k_c.store((dk * softmax_scale).to(dtype))
-    v_c.store(dv.to(dtype))
-    fence_async_shared()
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence (or the program is past the list)
-        tma_store(dk_desc, b, key0, hk, k_s.index(c), IS_VARLEN)
-        tma_store(dv_desc, b, key0, hk, v_s.index(c), IS_VARLEN)
-        tma.store_wait(pendings=0)
+        # K and V are no longer read: this consumer's buffers stage its dK and dV for the stores.
+        k_c.store((dk * softmax_scale).to(dtype))
+        v_c.store(dv.to(dtype))
+        fence_async_shared()
+        if IS_VARLEN and key0 + BLOCK_N > seqlen_k:  # a box would also write the next sequence's rows
+            store_rows(DK_PTR, k_c, k_row0 + key0, seqlen_k - key0, hk, stride_dkm, stride_dkh, BLOCK_N, HEAD_DIM)
+            store_rows(DV_PTR, v_c, k_row0 + key0, seqlen_k - key0, hk, stride_dvm, stride_dvh, BLOCK_N, HEAD_DIM)
+        else:
+            tma_store(dk_desc, b, k_row0 + key0, hk, k_s.index(c), IS_VARLEN)
+            tma_store(dv_desc, b, k_row0 + key0, hk, v_s.index(c), IS_VARLEN)
+            tma.store_wait(pendings=0)
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale, softmax_scale,
-                        stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
-                        stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-                        stride_dkm, stride_dkh, stride_dvm, stride_dvh, nheads, nheads_kv,
+def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
+                        softmax_scale, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
+                        stride_dkm, stride_dkh, stride_dvm, stride_dvh,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                        MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, M_LAYOUT: gl.constexpr,
-                        N_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Dense: the six tensors are host descriptors over (B, S, H, D), the grid is (key tiles of 2 x BLOCK_N
-    rows, Hk, B). Varlen: they are the packed tensors and the grid is (the tile list's bound, Hk), as in
-    hopper_fwd.py's kernel, the list ordered by each sequence's queries (ops/bwd.py)."""
+                        MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr):
+    """The six tensors are host descriptors. Dense: over (B, S, H, D), the grid is (key tiles of 2 x BLOCK_N
+    rows, Hk, B), and DK_PTR, DV_PTR and the strides are unused. Varlen: over the packed (total, H, D) tensors,
+    the grid is (the tile list's bound, Hk), as in hopper_fwd.py's kernel, the list ordered by each sequence's
+    queries (ops/bwd.py); DK_PTR and DV_PTR are dK's and dV's tensors, for a sequence's last key tile."""
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
     hk = gl.program_id(1)
     if IS_VARLEN:
         b, pid_n, valid, q_start, seqlen_q, k_start, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                                                 seqlen_q, seqlen_k)
-        q_desc = seq_desc(Q, q_start, seqlen_q, stride_qm, stride_qh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
-        do_desc = seq_desc(DO, q_start, seqlen_q, stride_dom, stride_doh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
-        k_desc = seq_desc(K, k_start, seqlen_k, stride_km, stride_kh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
-        v_desc = seq_desc(V, k_start, seqlen_k, stride_vm, stride_vh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
-        dk_desc = seq_desc(DK, k_start, seqlen_k, stride_dkm, stride_dkh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
-        dv_desc = seq_desc(DV, k_start, seqlen_k, stride_dvm, stride_dvh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
+        # TMA coordinates are 32-bit: a packed tensor's row count is far below 2^31.
+        q_row0 = q_start.to(gl.int32)
+        k_row0 = k_start.to(gl.int32)
     else:
         pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
         b = gl.program_id(2)
         q_start = 0
-        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = Q, K, V, DO, DK, DV
+        q_row0 = 0
+        k_row0 = 0
     n_start = pid_n * 2 * BLOCK_N
     lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, 2 * BLOCK_N,
                                              MASK_LEFT, MASK_RIGHT)
@@ -198,18 +209,20 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, TILES, CU_SEQLENS_Q, CU
     n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
                                   n_front), n_tiles)
     lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh + q_start
-    k_s = tile_buffers(k_desc, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    v_s = tile_buffers(v_desc, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    q_s = tile_buffers(q_desc, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
-    do_s = tile_buffers(do_desc, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     kv_bars, ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
-        (_consumer, (0, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,
-                     lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_consumer, (1, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start,
-                     lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                     softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_loader, (q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
-                   n_tiles, BLOCK_M, BLOCK_N, STAGES, GROUP, IS_VARLEN)),
+        (_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
+                     n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
+                     qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
+        (_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
+                     n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
+                     qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
+        (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo, n_tiles, q_row0,
+                   k_row0, BLOCK_M, BLOCK_N, STAGES, GROUP, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

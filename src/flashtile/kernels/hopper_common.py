@@ -1,6 +1,7 @@
 """What the Gluon Hopper kernels (hopper_fwd.py, hopper_bwd.py) share: the barriers of their
-producer/consumer ring, and how they find and address a tile through TMA in a dense or a varlen batch. Gluon only
-(sm_90).
+producer/consumer ring, how they find and address a tile through TMA in a dense or a varlen batch, and the two
+places a varlen batch's packed layout needs more than a TMA box (Note [varlen descriptors] in hopper_fwd.py).
+Gluon only (sm_90).
 """
 
 from triton.experimental import gluon
@@ -40,7 +41,7 @@ def tile_buffers(desc, N: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constex
 @gluon.jit
 def tma_load(desc, b, row, h, bar, dst, IS_VARLEN: gl.constexpr):
     """TMA-load the box at (sequence b, row, head h) into dst: a host descriptor over (B, S, H, D) for a dense
-    batch, a per-sequence one over (rows, H, D) for a varlen batch (built by the kernel; see hopper_fwd.py)."""
+    batch, over the packed (total, H, D) tensor for a varlen one (row counted from the packed tensor's start)."""
     if IS_VARLEN:
         tma.async_copy_global_to_shared(desc, [row, h, 0], bar, dst)
     else:
@@ -49,7 +50,8 @@ def tma_load(desc, b, row, h, bar, dst, IS_VARLEN: gl.constexpr):
 
 @gluon.jit
 def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
-    """The store that tma_load's box reads back; rows past the sequence are dropped either way."""
+    """The store that tma_load's box reads back. A dense batch's descriptor drops rows past the sequence; a varlen
+    batch's would write them into the next sequence, so its last partial tile goes through store_rows instead."""
     if IS_VARLEN:
         tma.async_copy_shared_to_global(desc, [row, h, 0], src)
     else:
@@ -76,13 +78,38 @@ def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
 
 
 @gluon.jit
-def seq_desc(base, start, length, stride_m, stride_h, nheads, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-             LAYOUT: gl.constexpr):
-    """A descriptor over one varlen sequence's rows [start, start + length) of a packed (total, H, D) tensor, boxes
-    of (BLOCK, 1, HEAD_DIM). Its rows end where the sequence does, so reads past it are zeros and writes are dropped
-    (the next sequence's rows are never read: a row of inf or NaN there would survive P = 0 in P V). A sequence
-    with no rows gets a one-row descriptor, which the kernels never write to (a program past the tile list reads
-    it; see varlen_program)."""
-    return tma.make_tensor_descriptor(base + start * stride_m, [gl.maximum(length, 1), nheads, HEAD_DIM],
-                                      [stride_m, stride_h, 1], [BLOCK, 1, HEAD_DIM], LAYOUT)
+def zero_rows_from(tile, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero rows [first, ROWS) of a (ROWS, HEAD_DIM) shared tile that a TMA load through a packed descriptor has
+    filled, before a wgmma reads it: those rows belong to the next sequence (Note [varlen descriptors] in
+    hopper_fwd.py), and a zero probability times an inf or NaN there is NaN. Every consumer warpgroup that reads
+    the tile calls this itself before its own wgmma: they write the same values, so none waits for another. Only
+    the 16-row chunks that reach row `first` are rewritten."""
+    CHUNK: gl.constexpr = 16
+    COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements (16 bytes) each
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    zeros = gl.zeros([CHUNK, HEAD_DIM], tile.dtype, layout)
+    for r in gl.static_range(0, ROWS, CHUNK):
+        chunk = tile.slice(r, CHUNK)
+        if r >= first:
+            chunk.store(zeros)
+        elif r + CHUNK > first:  # the chunk the sequence ends in
+            rows = r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            chunk.store(gl.where(gl.expand_dims(rows < first, 1), chunk.load(layout), zeros))
+    fence_async_shared()  # the generic-proxy writes, before the wgmma (async proxy) reads the tile
 
+
+@gluon.jit
+def store_rows(base, tile, row0, n_rows, h, stride_m, stride_h, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Store the first n_rows rows of a (ROWS, HEAD_DIM) shared tile, staged as for a TMA store, at rows row0 + i,
+    head h of a packed (total, H, D) tensor: a varlen sequence's last, partial tile, where a TMA box would also
+    write the next sequence's rows. Read back in a row-major layout, each thread stores 16-byte pieces through a
+    few row pointers (from the wgmma layout it would need one 64-bit pointer per register pair, which spill).
+    Row offsets are 64-bit: a packed tensor may exceed 2^31 elements."""
+    COLS: gl.constexpr = HEAD_DIM // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    x = tile.load(layout)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ptr = base + row0.to(gl.int64) * stride_m + h.to(gl.int64) * stride_h
+    offs = gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_rows, 1))

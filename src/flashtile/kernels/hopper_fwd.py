@@ -17,9 +17,10 @@ consumers hold S, P and O (240 registers a thread, no spill at d128).
 
 BLOCK_N = 2 * BLOCK_M so that both consumers need the same key blocks under a causal or sliding-window mask: the
 program's key range is kv_block_range's for its 2 x BLOCK_M rows, and a consumer treats a block its rows only
-partly see as masked (apply_mask, as the Triton kernel does). Rows and keys past the sequence are TMA's zero fill;
-keys past seqlen_k are masked, and rows past seqlen_q are neither stored (the descriptors, host-built 4-d ones for a
-dense batch and per-sequence ones for a varlen batch, end where the sequence does) nor written to the LSE.
+partly see as masked (apply_mask, as the Triton kernel does). Keys past seqlen_k are masked, and rows past
+seqlen_q are neither stored nor written to the LSE: a dense batch's 4-d descriptors end where each sequence does
+(rows past it are TMA's zero fill, stores past it are dropped); a varlen batch's run over the packed tensors, and
+Note [varlen descriptors] says what keeps one sequence out of another.
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
 (total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi,
@@ -31,7 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, seq_desc, tile_buffers, tma_load, tma_store, varlen_program
+from .hopper_common import (ring_barriers, store_rows, tile_buffers, tma_load, tma_store, varlen_program,
+                            zero_rows_from)
 from .masking import LN2, apply_mask, kv_block_range
 
 
@@ -39,8 +41,7 @@ from .masking import LN2, apply_mask, kv_block_range
 def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
             q_row0, k_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             IS_VARLEN: gl.constexpr):
-    """q_row0 and k_row0: where the sequence's rows start in q_desc and k_desc (varlen's packed descriptors; 0
-    for a dense batch). v_desc is over the sequence's own rows (varlen) or the batch (dense)."""
+    """q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense batch)."""
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
         tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, q_bars.index(c), q_s.index(c), IS_VARLEN)
@@ -51,7 +52,7 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, h
         bar = ready.index(slot)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, b, k_row0 + lo + j * BLOCK_N, hk, bar, k_s.index(slot), IS_VARLEN)
-        tma_load(v_desc, b, lo + j * BLOCK_N, hk, bar, v_s.index(slot), IS_VARLEN)
+        tma_load(v_desc, b, k_row0 + lo + j * BLOCK_N, hk, bar, v_s.index(slot), IS_VARLEN)
 
 
 @gluon.jit
@@ -72,9 +73,9 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
-              full_hi, n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo,
+              full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om,
+              stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -114,8 +115,13 @@ def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty,
             mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         last = (n_blocks - 1) % STAGES
+        v_last = v_s.index(last).reshape([BLOCK_N, HEAD_DIM])
+        if IS_VARLEN:
+            keys_left = seqlen_k - (lo + (n_blocks - 1) * BLOCK_N)
+            if keys_left < BLOCK_N:  # the sequence ends inside the last key block
+                zero_rows_from(v_last, keys_left, BLOCK_N, HEAD_DIM)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                            v_s.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                            v_last, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(last), count=1)
     # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
@@ -123,44 +129,48 @@ def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty,
     l_safe = gl.where(empty_row, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
     if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
-        q_tile.store(out.to(dtype))  # this consumer's Q is no longer read: its buffer stages O for the TMA store
-        fence_async_shared()
-        tma_store(o_desc, b, m0, h, q_s.index(c), IS_VARLEN)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
         gl.store(LSE + lse_off + rows, lse, mask=rows < seqlen_q)
-        tma.store_wait(pendings=0)
+        q_tile.store(out.to(dtype))  # this consumer's Q is no longer read: its buffer stages O for the store
+        fence_async_shared()
+        if IS_VARLEN and m0 + BLOCK_M > seqlen_q:  # a box would also write the next sequence's rows
+            store_rows(O_PTR, q_tile, q_row0 + m0, seqlen_q - m0, h, stride_om, stride_oh, BLOCK_M, HEAD_DIM)
+        else:
+            tma_store(o_desc, b, q_row0 + m0, h, q_s.index(c), IS_VARLEN)
+            tma.store_wait(pendings=0)
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
-                       stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
-                       stride_vm, stride_vh, stride_om, stride_oh, nheads, nheads_kv,
+def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
+                       stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, stride_om, stride_oh,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, M_LAYOUT: gl.constexpr,
-                       N_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Dense: Q, K, V, O are host descriptors over (B, S, H, D) (ops/hopper.py), the grid is (query tiles of
-    2 x BLOCK_M rows, H, B), and the strides, nheads, TILES and the CU_SEQLENS are unused. Varlen: Q and K are host
-    descriptors over the packed (total, H, D) tensors, V and O the tensors themselves, seqlen_q/k the totals, and
-    the grid is (the tile list's bound, H): each program reads its (sequence, tile) from TILES (ops/common.tile_list:
-    longest sequences first, and within one the last tile first) and builds descriptors over its sequence's rows
-    of V and O (hopper_common.seq_desc).
+                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr):
+    """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
+    2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides and the TILES and CU_SEQLENS unused; over the
+    packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is (the tile
+    list's bound, H): each program reads its (sequence, tile) from TILES (ops/common.tile_list: longest sequences
+    first, and within one the last tile first). O_PTR is O's tensor, for the last tile of a varlen sequence.
 
-    Note [varlen descriptors]: a device-built descriptor costs a global write and a fence before the first load
-    that uses it, on programs that mostly run 1-8 key blocks. Q and K need none: rows of Q past the sequence (the
-    next sequence's, or TMA's zeros past the total) give rows that are neither stored nor written to the LSE,
-    and keys past it sit in a masked block, whose scores apply_mask replaces (a where, so inf or NaN there does not
-    survive). V does: a row past the sequence meets P = 0, and 0 x inf is NaN, so its rows must end where the
-    sequence does. O's stores must stop there too."""
+    Note [varlen descriptors]: a box over a packed tensor does not end where the sequence does, so the last tile of
+    a sequence reads (and would write) the next sequence's rows. Reading them is harmless for Q and K: a query row
+    past the sequence gives a row that is neither stored nor written to the LSE, and keys past it sit in a masked
+    block, whose scores apply_mask replaces (a `where`, so an inf or NaN there does not survive). Not for V: a row
+    past the sequence meets P = 0 in P V, and 0 x inf is NaN, so the consumers zero those rows of the last V tile
+    (hopper_common.zero_rows_from) before its wgmma. A tile of O that ends past the sequence is staged in shared
+    memory as for the TMA store, then stored by pointer under a row mask (store_rows). Descriptors built on the
+    device over each sequence's rows, which end where it does, did this job until session 10; each costs a global
+    write and a fence before its first use, and replacing the forward's last two and all six of dK/dV's made the
+    16-sequence mix 4% faster forward (9% causal) and 3% forward+backward (7% causal), with bitwise the same results
+    (PERF.md, v10)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
     h = gl.program_id(1)
     hk = h // GROUP
     if IS_VARLEN:
         b, pid_m, valid, q_start, seqlen_q, k_start, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                                                 seqlen_q, seqlen_k)
-        v_desc = seq_desc(V, k_start, seqlen_k, stride_vm, stride_vh, nheads_kv, BLOCK_N, HEAD_DIM, N_LAYOUT)
-        o_desc = seq_desc(O, q_start, seqlen_q, stride_om, stride_oh, nheads, BLOCK_M, HEAD_DIM, M_LAYOUT)
         # TMA coordinates are 32-bit: a packed tensor's row count is far below 2^31.
         q_row0 = q_start.to(gl.int32)
         k_row0 = k_start.to(gl.int32)
@@ -169,10 +179,8 @@ def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_sc
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         b = gl.program_id(2)
         q_start = 0
-        v_desc, o_desc = V, O
         q_row0 = 0
         k_row0 = 0
-    q_desc, k_desc = Q, K
     m_start = pid_m * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
                                               MASK_LEFT, MASK_RIGHT)
@@ -180,17 +188,17 @@ def _hopper_fwd_kernel(Q, K, V, O, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_sc
     if IS_VARLEN:
         n_blocks = gl.where(valid, n_blocks, 0)
     lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
-    q_s = tile_buffers(q_desc, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-    k_s = tile_buffers(k_desc, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    v_s = tile_buffers(v_desc, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
     q_bars, ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([
-        (_consumer, (0, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
-                     n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_consumer, (1, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
-                     n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
+        (_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
+                     full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om, stride_oh,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
+        (_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
+                     full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om, stride_oh,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
+        (_loader, (Q, K, V, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
                    q_row0, k_row0, BLOCK_M, BLOCK_N, STAGES, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

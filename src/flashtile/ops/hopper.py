@@ -11,13 +11,13 @@ one decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it
 the answer is no; `last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0
 switches the path off.
 
-For a dense batch the Gluon kernels take host TMA descriptors over the (B, S, H, D) tensors with a (1, rows, 1, D)
+The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
-(tma_ready has made them TMA-legal). For a varlen batch each program finds its (sequence, tile) in a list written
-once per call (common.tile_list, in the order of Note [longest sequences first]). The forward reads Q and K through
-host descriptors over the packed tensors; V, O and the tensors of dK/dV go through descriptors that each program
-builds over its own sequence's rows (kernels/hopper_common.seq_desc: a global-memory write and a fence each), since
-there a neighbouring sequence's row could change the result (Note [varlen descriptors] in kernels/hopper_fwd.py).
+(tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
+box, where each program finds its (sequence, tile) in a list written once per call (common.tile_list, in the order
+of Note [longest sequences first]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors]
+in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
+of a sequence, which they store from registers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
 from .common import capability, tile_list, tma_strides
-from .launch import launch_fixed, prepare_launch, signature
+from .launch import launch_fixed, signature
 
 try:
     from triton.experimental.gluon import language as gl
@@ -106,14 +106,11 @@ def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
 
 def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left: int, window_right: int,
                 varlen: bool) -> dict:
-    """The constexprs both Gluon kernels take: tile, head dim, GQA group, mask flags, and the shared layouts of
-    a varlen batch's per-sequence (rows, 1, D) boxes (dense batches take theirs from the host descriptors)."""
+    """The constexprs both Gluon kernels take: tile, head dim, GQA group, mask flags."""
     nheads, head_dim = q.shape[-2:]
     flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16)
     return dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[-2], MASK_LEFT=flags["MASK_LEFT"],
-                MASK_RIGHT=flags["MASK_RIGHT"], IS_VARLEN=varlen,
-                M_LAYOUT=_layout((cfg.block_m, 1, head_dim), q.dtype),
-                N_LAYOUT=_layout((cfg.block_n, 1, head_dim), q.dtype), **cfg.kwargs())
+                MASK_RIGHT=flags["MASK_RIGHT"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
@@ -121,29 +118,22 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
     its cu_seqlens and `schedule`'s launch order (ops/fwd.py)."""
     nheads, head_dim = q.shape[-2:]
-    nheads_kv = k.shape[-2]
     cfg = HOPPER["fwd"][head_dim]
     constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
     # The launch key: what the grid, the integer arguments, the constexprs and the descriptors' boxes and
     # specialisation derive from (out and lse are fresh allocations whose layout q's shape fixes).
     key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
+    descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m))
     if cu_seqlens_q is None:
         batch, seqlen_q = q.shape[:2]
         grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
-        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m),
-                   lse, None, None, None, qk_scale)
-        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right,
-                  *(0,) * 4, nheads, nheads_kv)
+        dynamic = (*descs, None, lse, None, None, None, qk_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0)
     else:
-        # Q and K through descriptors over the packed tensors, V and O through ones over each sequence's rows,
-        # which the kernel builds and which need Triton's scratch allocator (Note [varlen descriptors]).
-        prepare_launch(q)
         tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True)
         grid = (tiles.shape[0], nheads, 1)
-        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), v, out, lse, tiles, cu_seqlens_q, cu_seqlens_k,
-                   qk_scale)
-        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
-                  *(x for t in (v, out) for x in t.stride()[:2]), nheads, nheads_kv)
+        dynamic = (*descs, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
+        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2])
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
@@ -151,26 +141,23 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
              window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, order=None) -> None:
     """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with the
     key side's launch order (ops/bwd.py)."""
-    nheads, head_dim = q.shape[-2:]
-    nheads_kv = k.shape[-2]
+    head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
+    descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
+             _desc(dk, cfg.block_n), _desc(dv, cfg.block_n))
     constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
     key = (signature(q, k, v, dout, dk, dv, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
     if cu_seqlens_q is None:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
         grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
-        dynamic = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
-                   _desc(dk, cfg.block_n), _desc(dv, cfg.block_n), lse, delta, None, None, None, qk_scale,
-                   softmax_scale)
-        static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 12, nheads,
-                  nheads_kv)
+        dynamic = (*descs, None, None, lse, delta, None, None, None, qk_scale, softmax_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 4)
     else:
-        prepare_launch(q)  # the kernel builds descriptors per sequence
         tiles = tile_list(order, k.shape[0], 2 * cfg.block_n, False)
         grid = (tiles.shape[0], nheads_kv, 1)
-        dynamic = (q, k, v, dout, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
-        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right,
-                  *(x for t in (q, k, v, dout, dk, dv) for x in t.stride()[:2]), nheads, nheads_kv)
+        dynamic = (*descs, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
+        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *dk.stride()[:2],
+                  *dv.stride()[:2])
     launch_fixed(_hopper_dkdv_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
