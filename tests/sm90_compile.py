@@ -157,7 +157,7 @@ def ptxas_report(ptx: str) -> dict:
 
 def main(argv):
     flag_sets = FLAG_SETS if "--all-flags" in argv else {"dense": FLAG_SETS["dense"]}
-    for kernel, d, cfg in production_configs():
+    for kernel, d, cfg, dtype in production_configs():
         fn = KERNELS[kernel]
         for flag_name, flags in flag_sets.items():
             if flags["PAGED"] and "PAGED" not in fn.arg_names:
@@ -165,11 +165,13 @@ def main(argv):
             flags = {name: value for name, value in flags.items() if name in fn.arg_names}
             if flags.get("DESC") and d > HOST_DESCRIPTOR_MAX_D:
                 flags["DESC"] = 0  # what the launcher passes for such head dims (ops/fwd.py)
+            if dtype == "fp32" and "DOT_PRECISION" in flags:
+                flags["DOT_PRECISION"] = "ieee"  # what problem.kernel_flags gives fp32 inputs
             consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
-            c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages)
+            c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages, dtype)
             ptx = c.asm["ptx"]
-            row = {"kernel": kernel, "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
-                   cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
+            row = {"kernel": kernel, "head_dim": d, "dtype": dtype, "config": [cfg.block_m, cfg.block_n,
+                   cfg.num_warps, cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
                    "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
             if "--ptxas" in argv:
                 row |= ptxas_report(ptx)

@@ -24,6 +24,17 @@ def test_real_sizes(device, dtype, head_dim, mask):
     run_case(device, 2, 2048, 2048, 8, 2, head_dim, dtype, causal, window)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_fp32_every_head_dim(device, head_dim, varlen):
+    """fp32 inputs take smaller tiles where the table's would not fit in shared memory (config.FP32): the d128 dQ
+    kernel asked for 321 KiB before session 10."""
+    if varlen:
+        run_varlen(device, [300, 0, 129, 517], [300, 0, 129, 517], 4, 2, head_dim, torch.float32, True)
+    else:
+        run_case(device, 2, 300, 517, 4, 2, head_dim, torch.float32, True)
+
+
 @pytest.mark.parametrize("seqlens", [(8192, 8192), (1000, 3000), (3000, 1000), (4097, 4095)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("causal", [False, True])

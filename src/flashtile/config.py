@@ -2,8 +2,9 @@
 
 A config is (BLOCK_M, BLOCK_N, num_warps, num_stages). The table is keyed by (kernel, padded head dim, arch) and
 each entry says where its numbers came from. Configs do not depend on the mask, the dtype (fp16 and bf16 share
-tensor-core rates; fp32 inputs take the fp16 row's shape, Triton lowers their dots to tf32) or the sequence
-length, so one compiled kernel per feature combination serves every call.
+tensor-core rates; fp32 inputs take the fp16 row's shape, Triton lowers their dots to tf32, except where FP32 says
+otherwise: tiles of 4-byte elements that would not fit in shared memory) or the sequence length, so one compiled
+kernel per feature combination serves every call.
 
 `FLASHTILE_AUTOTUNE=1` (env.py) replaces the table by timing `CANDIDATES` once per feature combination and head
 dim, cached on disk by Triton. Under the CPU interpreter the tiles are small so that the tiny test shapes still
@@ -61,6 +62,17 @@ TABLE: dict[str, dict[int, TileConfig]] = {
     },
 }
 
+_FP32 = ("fp32 inputs (true fp32 dots, problem.kernel_flags): the fp16 row's tiles need more than an H100/H200 "
+         "block's 227 KiB of shared memory (session 10, found by the GPU tier: the d128 dQ kernel asked for 321 KiB); "
+         "a smaller tile that fits (<= 197 KiB by tests/sm90_compile.py), not timed")
+# kernel -> padded head dim -> config for fp32 inputs where the table's does not fit (tests/sm90_compile.py builds
+# every table entry at fp32 too).
+FP32: dict[str, dict[int, TileConfig]] = {
+    "fwd": {256: TileConfig(64, 32, 4, 2, _FP32)},
+    "bwd_dkdv": {256: TileConfig(32, 32, 4, 2, _FP32)},
+    "bwd_dq": {128: TileConfig(64, 64, 4, 2, _FP32), 256: TileConfig(32, 32, 4, 2, _FP32)},
+}
+
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
     "bwd_dkdv": TileConfig(16, 32, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
@@ -115,13 +127,18 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, arch: tuple[int, int] | None = None) -> TileConfig:
+def tile_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
+    """The config of `kernel` at this head dim, for fp32 inputs if `fp32`."""
     if env.INTERPRET:
         return _INTERPRETER[kernel]
-    return TABLE[kernel][block_d(head_dim)]
+    d = block_d(head_dim)
+    if fp32 and d in FP32[kernel]:
+        return FP32[kernel][d]
+    return TABLE[kernel][d]
 
 
-def production_configs() -> list[tuple[str, int, TileConfig]]:
-    """Every (kernel, padded head dim, config) a GPU run can launch; the CPU compile check builds all of them."""
-    rows = [(kernel, d, cfg) for kernel, by_d in TABLE.items() for d, cfg in by_d.items()]
-    return rows
+def production_configs() -> list[tuple[str, int, TileConfig, str]]:
+    """Every (kernel, padded head dim, config, element type) a GPU run can launch: each table entry for 2-byte
+    inputs ("bf16") and for fp32 ones. The CPU compile check builds all of them."""
+    return [(kernel, d, cfg, dtype) for kernel, by_d in TABLE.items() for d in by_d
+            for dtype, cfg in (("bf16", by_d[d]), ("fp32", FP32[kernel].get(d, by_d[d])))]

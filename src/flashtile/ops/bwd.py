@@ -106,7 +106,7 @@ def attention_bwd(
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
            window_left, window_right, softcap > 0.0, packing, pdl)
     prepare_launch(q)
-    launch(_bwd_dq_kernel, "bwd_dq", head_dim, key,
+    launch(_bwd_dq_kernel, "bwd_dq", head_dim, q.dtype == torch.float32, key,
            (q, k, v, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
            lambda: static("bwd_dq"))
     record("bwd_dq", TRITON)
@@ -115,7 +115,7 @@ def attention_bwd(
                         cu_seqlens_q, cu_seqlens_k, order_dkdv)
         record("bwd_dkdv", HOPPER_PATH)
         return grads
-    launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, key,
+    launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, q.dtype == torch.float32, key,
            (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args, order_dkdv, *scalars),
            lambda: static("bwd_dkdv"), pdl=pdl)
     record("bwd_dkdv", TRITON)

@@ -112,7 +112,7 @@ def attention_fwd(
     if desc == DESC_ROW.value:
         qd, kd, vd, od = q, k, v, out
     else:
-        cfg = tile_config("fwd", head_dim)
+        cfg = tile_config("fwd", head_dim, q.dtype == torch.float32)
         qd, kd, vd = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n)
         # A packed batch's O is stored through per-sequence descriptors (kernels/fwd.py: DESC).
         od = host_desc(out, cfg.block_m) if desc == DESC_DENSE.value else out
@@ -137,7 +137,7 @@ def attention_fwd(
     key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table),
            window_left, window_right, softcap > 0.0)
     prepare_launch(q)
-    launch(_attn_fwd_kernel, "fwd", head_dim, key,
+    launch(_attn_fwd_kernel, "fwd", head_dim, q.dtype == torch.float32, key,
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
             qk_scale, softcap2),
            static, pre_hook=_FWD_BLOCKS)

@@ -120,11 +120,11 @@ def _autotuned(kernel, name: str, pre_hook):
     return triton.autotune(configs=configs, key=_TUNE_KEY, cache_results=True)(kernel)
 
 
-def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callable[[], Static],
+def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, static: Callable[[], Static],
            pre_hook=None, pdl: bool = False) -> None:
     """Launch `kernel(*dynamic, *static().args, **static().constexprs)` with the tile config of `name`
-    (config.py) on static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note [launch cache]) when `key` is
-    not None.
+    (config.py; `fp32`: for fp32 inputs) on static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note
+    [launch cache]) when `key` is not None (it fixes the inputs' dtype).
 
     With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
     class; Triton caches the choice on disk), and `pre_hook(arguments by name)` adapts the arguments to each
@@ -145,13 +145,13 @@ def launch(kernel, name: str, head_dim: int, key, dynamic: tuple, static: Callab
         if entry is not None:
             if env.INTERPRET or env.debug_checks():
                 s = static()
-                _check(kernel, entry, dynamic, s.args, s.constexprs, _grid(s, tile_config(name, head_dim)))
+                _check(kernel, entry, dynamic, s.args, s.constexprs, _grid(s, tile_config(name, head_dim, fp32)))
             _launch_cached(kernel, device, entry, dynamic)
             return
     else:
         full_key = None
     s = static()
-    cfg = tile_config(name, head_dim)
+    cfg = tile_config(name, head_dim, fp32)
     constexprs = s.constexprs | cfg.kwargs()
     n_args = len(dynamic) + len(s.args)
     names = kernel.arg_names
