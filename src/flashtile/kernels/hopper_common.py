@@ -65,8 +65,8 @@ def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     64-bit (a packed total may hold more than 2^31 elements). Entries past the list are (-1, -1); such a program
     becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none), so it reads a tile at
     row 0 and writes nothing. A negative tile would put negative rows in its TMA stores' coordinates, which the
-    H200 faults on as an illegal instruction although the whole box lies outside the descriptor (compute-
-    sanitizer, session 8)."""
+    H200 faults on as an illegal instruction although the whole box lies outside the descriptor
+    (compute-sanitizer, session 8)."""
     entry = TILES + 2 * gl.program_id(0)
     seq = gl.load(entry)
     b = gl.maximum(seq, 0)
