@@ -186,15 +186,11 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
     hk = gl.program_id(1)
     if IS_VARLEN:
-        b, pid_n, valid, q_start, seqlen_q, k_start, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                                                seqlen_q, seqlen_k)
-        # TMA coordinates are 32-bit: a packed tensor's row count is far below 2^31.
-        q_row0 = q_start.to(gl.int32)
-        k_row0 = k_start.to(gl.int32)
+        b, pid_n, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                              seqlen_q, seqlen_k)
     else:
         pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
         b = gl.program_id(2)
-        q_start = 0
         q_row0 = 0
         k_row0 = 0
     n_start = pid_n * 2 * BLOCK_N
@@ -208,7 +204,7 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     n_front = gl.minimum((full_lo - lo + BLOCK_M - 1) // BLOCK_M, n_tiles)
     n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
                                   n_front), n_tiles)
-    lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh + q_start
+    lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh + q_row0
     k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
     v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
     q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)

@@ -61,8 +61,9 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
 @gluon.jit
 def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     """A varlen program's (sequence, tile) from the written-out tile list (ops/common.tile_list), whether it has one,
-    and its sequence's query and key rows: (b, tile, valid, q_start, seqlen_q, k_start, seqlen_k), the starts
-    64-bit (a packed total may hold more than 2^31 elements). Entries past the list are (-1, -1); such a program
+    and its sequence's query and key rows: (b, tile, valid, q_row0, seqlen_q, k_row0, seqlen_k), the rows where the
+    sequence starts in the packed tensors, 32-bit as TMA coordinates are (a packed tensor's row count is far below
+    2^31; element offsets are widened where they are formed). Entries past the list are (-1, -1); such a program
     becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none), so it reads a tile at
     row 0 and writes nothing. A negative tile would put negative rows in its TMA stores' coordinates, which the
     H200 faults on as an illegal instruction although the whole box lies outside the descriptor
@@ -72,10 +73,9 @@ def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     b = gl.maximum(seq, 0)
     tile = gl.maximum(gl.load(entry + 1), 0)
     valid = seq >= 0
-    q_start, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, total_q, False)
-    q_start = q_start.to(gl.int64)
-    k_start, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, total_k, False)
-    return b, tile, valid, q_start, seqlen_q, k_start.to(gl.int64), seqlen_k
+    q_row0, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, total_q, False)
+    k_row0, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, total_k, False)
+    return b, tile, valid, q_row0, seqlen_q, k_row0, seqlen_k
 
 
 @gluon.jit

@@ -169,16 +169,12 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     h = gl.program_id(1)
     hk = h // GROUP
     if IS_VARLEN:
-        b, pid_m, valid, q_start, seqlen_q, k_start, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                                                seqlen_q, seqlen_k)
-        # TMA coordinates are 32-bit: a packed tensor's row count is far below 2^31.
-        q_row0 = q_start.to(gl.int32)
-        k_row0 = k_start.to(gl.int32)
+        b, pid_m, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                              seqlen_q, seqlen_k)
     else:
         # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         b = gl.program_id(2)
-        q_start = 0
         q_row0 = 0
         k_row0 = 0
     m_start = pid_m * 2 * BLOCK_M
@@ -187,7 +183,7 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
     if IS_VARLEN:
         n_blocks = gl.where(valid, n_blocks, 0)
-    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_row0
     q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
     k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
     v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
