@@ -17,7 +17,7 @@ box, so loads past a sequence's end read zeros and stores past it are dropped, p
 box, where each program finds its (sequence, tile) in a list written once per call (common.tile_list, in the order
 of Note [longest sequences first]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors]
 in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
-of a sequence, which they store from registers.
+of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
 """
 
 from __future__ import annotations
