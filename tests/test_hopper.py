@@ -143,8 +143,8 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
         strides = (ints[f"stride_{prefix}m"], ints[f"stride_{prefix}h"])
         assert strides == (t[name].stride()[:2] if varlen else (0, 0)), param
     if varlen:
-        # One program per entry of the tile list, which covers every tile of the tiled side.
-        assert grid[1:] == (4 if which != "bwd_dkdv" else 2, 1)
+        # One program per head and entry of the tile list (which covers every tile of the tiled side), heads fastest.
+        assert grid == (4 if which != "bwd_dkdv" else 2, named["TILES"].shape[0], 1)
     else:
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
         side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]

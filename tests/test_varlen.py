@@ -309,6 +309,13 @@ def test_tile_list(device, many, last_first):
     # The same list written out (ops/common.tile_list, for the Gluon kernels), then (-1, -1) past it.
     written = [tuple(row) for row in tile_list(sched, int(lengths.sum()), block, last_first).tolist()]
     assert written == want + [(-1, -1)] * (programs - len(want))
+    # Folded for a grid axis of at most 7 programs (ops/hopper.varlen_grid): padded with (-1, -1) to a multiple of 7,
+    # and the (heads, y, z) grid covers every entry once.
+    from flashtile.ops.hopper import varlen_grid
+    folded = tile_list(sched, int(lengths.sum()), block, last_first, 7)
+    assert [tuple(row) for row in folded.tolist()] == written + [(-1, -1)] * (-len(written) % 7)
+    heads, y, z = varlen_grid(3, folded, 7)
+    assert (heads, y * z) == (3, folded.shape[0]) and y == 7
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -671,6 +678,35 @@ def test_gpu_more_than_2_31_elements(device):
             for name, ours, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, pt_grads):
                 check_close(f"{layout} {name}", ours[rows], ref, pt[0], 3, scale)
         del q, k, v, out, dout, dq, dk, dv
+
+
+@pytest.mark.gpu
+def test_gpu_tile_list_past_the_grid_y_limit(device):
+    """66,000 sequences of 128 tokens (8.4M, one head of 128): the Gluon kernels' tile lists have more entries than
+    a grid's y axis takes (65,535) and fold into z (ops/hopper.varlen_grid). The first and last sequences, forward
+    and backward, against the fp64 reference: the last one's tiles are in the second fold."""
+    seqs, n, nheads, head_dim = 66000, 128, 1, 128
+    total = seqs * n
+    g = torch.Generator(device=device).manual_seed(16)
+    cu = torch.arange(0, total + 1, n, dtype=torch.int32, device=device)
+    q, k, v = (torch.randn((total, nheads, head_dim), device=device, dtype=torch.bfloat16, generator=g)
+               .requires_grad_() for _ in range(3))
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n)
+    dout = torch.randn(out.shape, device=device, dtype=torch.bfloat16, generator=g)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    paths = flashtile.last_kernel_paths()
+    assert (paths["fwd"], paths["bwd_dkdv"]) == ("gluon-sm90", "gluon-sm90"), paths
+    for rows in (slice(0, n), slice(total - n, total)):
+        ref_in = [t[rows].detach().double().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = attention_ref(*(t[None] for t in ref_in))
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dout[None, rows])
+        pt_in = [t[rows][None].detach().clone().requires_grad_() for t in (q, k, v)]
+        pt_out, _ = attention_ref(*pt_in, upcast=False)
+        pt_grads = torch.autograd.grad(pt_out, pt_in, dout[None, rows])
+        check_close("out", out[rows], ref_out[0], pt_out[0], 2)
+        scale = max(t.abs().max().item() for t in ref_grads)
+        for name, ours, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, pt_grads):
+            check_close(name, ours[rows], ref, pt[0], 3, scale)
 
 
 @pytest.mark.gpu

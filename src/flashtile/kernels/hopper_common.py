@@ -67,8 +67,11 @@ def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none), so it reads a tile at
     row 0 and writes nothing. A negative tile would put negative rows in its TMA stores' coordinates, which the
     H200 faults on as an illegal instruction although the whole box lies outside the descriptor
-    (compute-sanitizer, session 8)."""
-    entry = TILES + 2 * gl.program_id(0)
+    (compute-sanitizer, session 8).
+
+    The list runs along the grid's y axis, folded into z when it is longer than y's 65535 programs (ops/hopper.py:
+    varlen_grid); x is the head (Note [varlen grid order] in hopper_fwd.py)."""
+    entry = TILES + 2 * (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1))
     seq = gl.load(entry)
     b = gl.maximum(seq, 0)
     tile = gl.maximum(gl.load(entry + 1), 0)
@@ -79,15 +82,17 @@ def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
 
 
 @gluon.jit
-def zero_rows_from(tile, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+def zero_rows_from(tile, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
     """Zero rows [first, ROWS) of a (ROWS, HEAD_DIM) shared tile that a TMA load through a packed descriptor has
     filled, before a wgmma reads it: those rows belong to the next sequence (Note [varlen descriptors] in
-    hopper_fwd.py), and a zero probability times an inf or NaN there is NaN. Every consumer warpgroup that reads
-    the tile calls this itself before its own wgmma: they write the same values, so none waits for another. Only
-    the 16-row chunks that reach row `first` are rewritten."""
-    CHUNK: gl.constexpr = 16
+    hopper_fwd.py), and a zero probability times an inf or NaN there is NaN. Called by a partition of WARPS warps,
+    which rewrites only the chunks of rows that reach row `first` (16 rows for 4 warps, 8 for one: a chunk of the
+    128-byte swizzle has whole 8-row groups), and ends with the
+    fence that orders these generic-proxy writes before the wgmma's (async proxy) reads; the caller then makes them
+    visible to other partitions through an mbarrier, or reads the tile itself."""
+    CHUNK: gl.constexpr = 16 if WARPS > 1 else 8
     COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements (16 bytes) each
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [WARPS, 1], [1, 0])
     zeros = gl.zeros([CHUNK, HEAD_DIM], tile.dtype, layout)
     for r in gl.static_range(0, ROWS, CHUNK):
         chunk = tile.slice(r, CHUNK)
@@ -96,7 +101,7 @@ def zero_rows_from(tile, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
         elif r + CHUNK > first:  # the chunk the sequence ends in
             rows = r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             chunk.store(gl.where(gl.expand_dims(rows < first, 1), chunk.load(layout), zeros))
-    fence_async_shared()  # the generic-proxy writes, before the wgmma (async proxy) reads the tile
+    fence_async_shared()
 
 
 @gluon.jit

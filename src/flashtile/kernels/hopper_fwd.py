@@ -119,7 +119,7 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready,
         if IS_VARLEN:
             keys_left = seqlen_k - (lo + (n_blocks - 1) * BLOCK_N)
             if keys_left < BLOCK_N:  # the sequence ends inside the last key block
-                zero_rows_from(v_last, keys_left, BLOCK_N, HEAD_DIM)
+                zero_rows_from(v_last, keys_left, BLOCK_N, HEAD_DIM, 4)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             v_last, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -150,9 +150,17 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
                        LOADER_REGS: gl.constexpr):
     """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
     2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides and the TILES and CU_SEQLENS unused; over the
-    packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is (the tile
-    list's bound, H): each program reads its (sequence, tile) from TILES (ops/common.tile_list: longest sequences
-    first, and within one the last tile first). O_PTR is O's tensor, for the last tile of a varlen sequence.
+    packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is (H, the tile
+    list's bound), folded into z past 65535 entries (ops/hopper.varlen_grid): each program reads its (sequence,
+    tile) from TILES (ops/common.tile_list: longest sequences first, and within one the last tile first). O_PTR is
+    O's tensor, for the last tile of a varlen sequence.
+
+    Note [varlen grid order]: in a varlen grid the heads are the fastest axis, so the programs in flight are every
+    head of a few tiles. A row of a packed (total, H, D) tensor holds all its heads (H x 256 bytes at d128), so they
+    read whole rows together; with the tile list fastest (a dense grid's order) they were the tiles of one head of
+    many sequences, each reading 256 bytes of every row. On the 16-sequence mix (H200, bf16, d128, H=16) heads first
+    made dK/dV 4% faster (7% causal) and the causal forward 4% (PERF.md, v11). The dense grids keep their order
+    (heads first is not measured there).
 
     Note [varlen descriptors]: a box over a packed tensor does not end where the sequence does, so the last tile of
     a sequence reads (and would write) the next sequence's rows. Reading them is harmless for Q and K: a query row
@@ -166,17 +174,18 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     16-sequence mix 4% faster forward (9% causal) and 3% forward+backward (7% causal), with bitwise the same results
     (PERF.md, v10)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
-    h = gl.program_id(1)
-    hk = h // GROUP
     if IS_VARLEN:
+        h = gl.program_id(0)  # Note [varlen grid order]
         b, pid_m, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                                               seqlen_q, seqlen_k)
     else:
         # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        h = gl.program_id(1)
         b = gl.program_id(2)
         q_row0 = 0
         k_row0 = 0
+    hk = h // GROUP
     m_start = pid_m * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
                                               MASK_LEFT, MASK_RIGHT)

@@ -176,12 +176,16 @@ def schedule(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost: t
     return out
 
 
-def tile_list(order: torch.Tensor, total: int, block: int, last_first: bool) -> torch.Tensor:
+def tile_list(order: torch.Tensor, total: int, block: int, last_first: bool, fold: int = 0) -> torch.Tensor:
     """(bound, 2) int32 on the device: `schedule`'s order expanded to one (sequence, tile) entry per tile of `block`
     rows, in tile_coords' order, and (-1, -1) past the list; bound = cdiv(total, block) + B bounds the list
-    whatever the lengths (tile_grid). One fill and one small launch, no host synchronisation."""
+    whatever the lengths (tile_grid), rounded up to a multiple of `fold` when longer than that (a grid axis's
+    limit: ops/hopper.varlen_grid). One fill and one small launch, no host synchronisation."""
     batch = order.shape[1]
-    tiles = torch.full((triton.cdiv(total, block) + batch, 2), -1, dtype=torch.int32, device=order.device)
+    bound = triton.cdiv(total, block) + batch
+    if fold and bound > fold:
+        bound = triton.cdiv(bound, fold) * fold
+    tiles = torch.full((bound, 2), -1, dtype=torch.int32, device=order.device)
     if batch > 0:
         _tile_list_kernel[(batch,)](order, tiles, batch, BLOCK=block, LAST_FIRST=last_first)
     return tiles

@@ -113,6 +113,17 @@ def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left
                 MASK_RIGHT=flags["MASK_RIGHT"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (and z) dimension
+
+
+def varlen_grid(heads: int, tiles: torch.Tensor, limit: int = MAX_GRID_Y) -> tuple[int, int, int]:
+    """The Gluon kernels' varlen grid: (heads, tile list) with the heads fastest (Note [varlen grid order] in
+    kernels/hopper_fwd.py). A list longer than y's limit (more than 8M tokens of 128-row tiles) folds into z:
+    tile_list pads it to a multiple of the limit, and hopper_common.varlen_program reads entry z * Y + y."""
+    n = tiles.shape[0]
+    return heads, min(n, limit), -(-n // limit)
+
+
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
         cu_seqlens_k=None, order=None) -> None:
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
@@ -130,8 +141,8 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         dynamic = (*descs, None, lse, None, None, None, qk_scale)
         static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0)
     else:
-        tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True)
-        grid = (tiles.shape[0], nheads, 1)
+        tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True, MAX_GRID_Y)
+        grid = varlen_grid(nheads, tiles)
         dynamic = (*descs, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2])
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
@@ -154,8 +165,8 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         dynamic = (*descs, None, None, lse, delta, None, None, None, qk_scale, softmax_scale)
         static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 4)
     else:
-        tiles = tile_list(order, k.shape[0], 2 * cfg.block_n, False)
-        grid = (tiles.shape[0], nheads_kv, 1)
+        tiles = tile_list(order, k.shape[0], 2 * cfg.block_n, False, MAX_GRID_Y)
+        grid = varlen_grid(nheads_kv, tiles)
         dynamic = (*descs, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *dk.stride()[:2],
                   *dv.stride()[:2])
