@@ -86,10 +86,11 @@ def zero_rows_from(tile, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, WARP
     """Zero rows [first, ROWS) of a (ROWS, HEAD_DIM) shared tile that a TMA load through a packed descriptor has
     filled, before a wgmma reads it: those rows belong to the next sequence (Note [varlen descriptors] in
     hopper_fwd.py), and a zero probability times an inf or NaN there is NaN. Called by a partition of WARPS warps,
-    which rewrites only the chunks of rows that reach row `first` (16 rows for 4 warps, 8 for one: a chunk of the
-    128-byte swizzle has whole 8-row groups), and ends with the
-    fence that orders these generic-proxy writes before the wgmma's (async proxy) reads; the caller then makes them
-    visible to other partitions through an mbarrier, or reads the tile itself."""
+    which rewrites only the chunks of rows that reach row `first` (16 rows for 4 warps, 8 for one: a slice of the
+    128-byte swizzle holds whole 8-row groups), and ends with the fence that orders these generic-proxy writes
+    before a wgmma's (async proxy) reads. The caller then issues that wgmma itself (the forward's consumers), or
+    hands the tile to other partitions through an mbarrier (the dK/dV loader: Triton puts a warp barrier before
+    the one thread's arrive)."""
     CHUNK: gl.constexpr = 16 if WARPS > 1 else 8
     COLS: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements (16 bytes) each
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [WARPS, 1], [1, 0])
