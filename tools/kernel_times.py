@@ -17,12 +17,8 @@ import flashtile
 from flashtile.bench.backends import _compiled_flex
 
 
-def kernel_us(fn, q, k, v, dout, reps: int) -> list[tuple[str, float]]:
-    """(kernel name, µs per call) for the kernels one fn(q, k, v).backward(dout) launches, longest first."""
-    def step():
-        q.grad = k.grad = v.grad = None
-        fn(q, k, v).backward(dout)
-
+def profile_step(step, reps: int) -> list[tuple[str, float]]:
+    """(kernel name, µs per call) for the kernels one step() launches, longest first, after a warm-up."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -32,6 +28,15 @@ def kernel_us(fn, q, k, v, dout, reps: int) -> list[tuple[str, float]]:
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
+
+
+def kernel_us(fn, q, k, v, dout, reps: int) -> list[tuple[str, float]]:
+    """(kernel name, µs per call) for the kernels one fn(q, k, v).backward(dout) launches, longest first."""
+    def step():
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v).backward(dout)
+
+    return profile_step(step, reps)
 
 
 def compare(s: int, d: int, causal: bool, reps: int) -> None:

@@ -2,7 +2,7 @@
 batch (16 sequences of 1k: the dense batch's tiles, so any difference is the varlen machinery), and the benchmark's
 16-sequence mix (bench/cases.VARLEN_MIX), causal and not. d128, 16 heads, bf16, random inputs.
 
-Prints one JSON line per (batch, mask): µs per call of each kernel (torch.profiler, averaged over the repetitions)
+Prints one JSON line per (batch, mask): µs per call of each kernel (kernel_times.profile_step: torch.profiler)
 and a checksum (the fp32 sum of |out|, |dq|, |dk|, |dv|) that says whether two source trees compute the same bits.
 Run it once per tree, each in its own process (PERF.md, v11, S11-3 … S11-5: the variant table):
 
@@ -10,11 +10,10 @@ Run it once per tree, each in its own process (PERF.md, v11, S11-3 … S11-5: th
 """
 
 import argparse
-import collections
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from kernel_times import profile_step  # tools/ is on the path of a script run from it
 
 import flashtile
 from flashtile.bench.cases import VARLEN_MIX
@@ -45,22 +44,6 @@ def make_step(batch: str, causal: bool):
     return step
 
 
-def kernel_us(step, reps: int) -> dict[str, float]:
-    """µs per call of each CUDA kernel `step` launches, averaged over `reps` calls after a warm-up."""
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    total = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time / reps
-    return {name: round(us, 1) for name, us in sorted(total.items(), key=lambda x: -x[1])}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default="", help="a name for the source tree, copied into every line")
@@ -72,7 +55,8 @@ def main() -> None:
             step = make_step(batch, causal)
             checksum = [round(float(t.float().abs().sum()), 3) for t in step()]
             print(json.dumps({"tag": args.tag, "batch": batch, "causal": causal,
-                              "kernels_us": kernel_us(step, args.reps), "checksum": checksum}), flush=True)
+                              "kernels_us": {name: round(us, 1) for name, us in profile_step(step, args.reps)},
+                              "checksum": checksum}), flush=True)
 
 
 if __name__ == "__main__":
