@@ -312,9 +312,8 @@ def test_tile_list(device, many, last_first):
     # Folded for a grid axis of at most 7 programs (ops/hopper.varlen_grid): padded with (-1, -1) to a multiple of 7,
     # and the (heads, y, z) grid covers every entry once.
     from flashtile.ops.hopper import varlen_grid
-    folded = tile_list(sched, int(lengths.sum()), block, last_first, 7)
+    folded, (heads, y, z) = varlen_grid(sched, int(lengths.sum()), block, last_first, 3, 7)
     assert [tuple(row) for row in folded.tolist()] == written + [(-1, -1)] * (-len(written) % 7)
-    heads, y, z = varlen_grid(3, folded, 7)
     assert (heads, y * z) == (3, folded.shape[0]) and y == 7
 
 

@@ -116,12 +116,15 @@ def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (and z) dimension
 
 
-def varlen_grid(heads: int, tiles: torch.Tensor, limit: int = MAX_GRID_Y) -> tuple[int, int, int]:
-    """The Gluon kernels' varlen grid: (heads, tile list) with the heads fastest (Note [varlen grid order] in
-    kernels/hopper_fwd.py). A list longer than y's limit (more than 8M tokens of 128-row tiles) folds into z:
-    tile_list pads it to a multiple of the limit, and hopper_common.varlen_program reads entry z * Y + y."""
+def varlen_grid(order: torch.Tensor, total: int, block: int, last_first: bool, heads: int,
+                limit: int = MAX_GRID_Y) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The Gluon kernels' varlen tile list (common.tile_list) and grid: (heads, tile list) with the heads fastest
+    (Note [varlen grid order] in kernels/hopper_fwd.py). A list longer than y's limit (more than 8M tokens of
+    128-row tiles) is padded to a multiple of it and folds into z; hopper_common.varlen_program reads entry
+    z * Y + y."""
+    tiles = tile_list(order, total, block, last_first, limit)
     n = tiles.shape[0]
-    return heads, min(n, limit), -(-n // limit)
+    return tiles, (heads, min(n, limit), -(-n // limit))
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
@@ -141,8 +144,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         dynamic = (*descs, None, lse, None, None, None, qk_scale)
         static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0)
     else:
-        tiles = tile_list(order, q.shape[0], 2 * cfg.block_m, True, MAX_GRID_Y)
-        grid = varlen_grid(nheads, tiles)
+        tiles, grid = varlen_grid(order, q.shape[0], 2 * cfg.block_m, True, nheads)
         dynamic = (*descs, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2])
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
@@ -165,8 +167,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         dynamic = (*descs, None, None, lse, delta, None, None, None, qk_scale, softmax_scale)
         static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 4)
     else:
-        tiles = tile_list(order, k.shape[0], 2 * cfg.block_n, False, MAX_GRID_Y)
-        grid = varlen_grid(nheads_kv, tiles)
+        tiles, grid = varlen_grid(order, k.shape[0], 2 * cfg.block_n, False, nheads_kv)
         dynamic = (*descs, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *dk.stride()[:2],
                   *dv.stride()[:2])
