@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from flashtile.config import HOPPER, production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
-from flashtile.kernels.seqlen import MAX_SORT, _schedule_kernel  # noqa: E402
+from flashtile.kernels.seqlen import MAX_SORT, MAX_STEP, _schedule_kernel, _tile_list_kernel  # noqa: E402
 from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
@@ -83,16 +83,16 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 _DENSE = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
               MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-              DOT_PRECISION="tf32", PDL=True)
+              DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP)
 FLAG_SETS = {
     "dense": _DENSE,
     "causal": dict(_DENSE, MASK_RIGHT=True),
     "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
-                DOT_PRECISION="tf32", PDL=True),
+                DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP),
     "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, DESC=0,
                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-                  DOT_PRECISION="tf32"),
+                  DOT_PRECISION="tf32", STEP=MAX_STEP),
 }
 
 
@@ -190,6 +190,8 @@ def main(argv):
     c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
                                               COST_PACKED=True), 4, 1)
     print(json.dumps({"kernel": "schedule", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
+    c = compile_kernel(_tile_list_kernel, dict(BLOCK=128, LAST_FIRST=True, STEP=MAX_STEP), 4, 1)
+    print(json.dumps({"kernel": "tile_list", "step": MAX_STEP, "shared": c.metadata.shared}), flush=True)
 
 
 if __name__ == "__main__":

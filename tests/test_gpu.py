@@ -160,7 +160,7 @@ HOPPER_VARLEN = {"mixed": ([700, 0, 129, 1, 2048, 65], [700, 0, 129, 1, 2048, 65
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_hopper_varlen(device, lengths, mask):
     """Varlen batches through the Gluon kernels (descriptors over the packed tensors, Note [varlen descriptors];
-    the tile list of ops/common.tile_list) against the per-sequence fp64 oracle, on NaN-guarded inputs."""
+    the tile list of ops/common.varlen_grid) against the per-sequence fp64 oracle, on NaN-guarded inputs."""
     _need_hopper(device)
     causal, window = MASKS[mask]
     lens_q, lens_k = HOPPER_VARLEN[lengths]

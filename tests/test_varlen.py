@@ -279,42 +279,50 @@ def test_schedule_is_longest_first(device):
 
 
 @triton.jit
-def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
-    b, tile = tile_coords(SCHEDULE, batch, BLOCK, LAST_FIRST, True)
-    tl.store(OUT + 2 * tl.program_id(0), b)
-    tl.store(OUT + 2 * tl.program_id(0) + 1, tile)
+def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, STEP: tl.constexpr):
+    b, tile, h, heads = tile_coords(SCHEDULE, batch, BLOCK, LAST_FIRST, True, STEP)
+    entry = OUT + 4 * (h * tl.num_programs(1) * tl.num_programs(2) + tl.program_id(2) * tl.num_programs(1)
+                       + tl.program_id(1))
+    tl.store(entry, b)
+    tl.store(entry + 1, tile)
+    tl.store(entry + 2, h)
+    tl.store(entry + 3, heads)
 
 
-@pytest.mark.parametrize("many, last_first", [(False, False), (True, True)], ids=["20", "CHUNK+77"])
+@pytest.mark.parametrize("many, last_first", [(False, False), (True, True)], ids=["20", "MAX_STEP+77"])
 def test_tile_list(device, many, last_first):
-    """Every tile of every sequence exactly once, in schedule order (over more sequences than one CHUNK); the
-    programs past the list get a tile index past any sequence. tile_coords and tile_list agree."""
-    from flashtile.kernels.seqlen import CHUNK
-    from flashtile.ops.common import schedule, tile_grid, tile_list
-    batch, block = CHUNK.value + 77 if many else 20, 4
+    """Every tile of every sequence exactly once, in schedule order (over more sequences than one step); the
+    programs past the list get a tile index past any sequence. The grid is (heads, list) with the list folded into
+    z past a limit (7 here, 65535 on a GPU): every head reads the whole list. tile_coords and the written-out list
+    (varlen_grid, for the Gluon kernels) agree."""
+    from flashtile.kernels.seqlen import MAX_STEP
+    from flashtile.ops.common import schedule, schedule_step, tile_grid, varlen_grid
+    batch, block, heads = MAX_STEP + 77 if many else 20, 4, 2
     lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
     lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
+    total = int(lengths.sum())
     cu = cu_seqlens(lengths.tolist(), device)
-    sched = schedule(cu, None, int(lengths.sum()), cu, None, int(lengths.sum()))
-    programs = tile_grid(block, 0, int(lengths.sum()), batch, 1, True)[0]
-    out = torch.full((programs, 2), -1, dtype=torch.int32, device=device)
-    _tile_coords_probe[(programs,)](sched, out, batch, BLOCK=block, LAST_FIRST=last_first)
+    sched = schedule(cu, None, total, cu, None, total)
+    limit = 7 if not many else 65535
+    grid = tile_grid(block, 0, total, batch, heads, True, limit)
+    programs = grid[1] * grid[2]
+    assert grid[0] == heads and programs >= -(-total // block) + batch
+    assert many or (grid[1] == 7 and grid[2] > 1)  # folded
+    out = torch.full((heads, programs, 4), -1, dtype=torch.int32, device=device)
+    _tile_coords_probe[grid](sched, out, batch, BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True))
     want = []
     for b in sched[0].tolist():
         tiles = list(range(math.ceil(int(lengths[b]) / block)))
         want += [(b, t) for t in (tiles[::-1] if last_first else tiles)]
-    got = [tuple(row) for row in out.tolist()]
-    assert got[:len(want)] == want
-    assert all(tile * block >= 2**31 - block for _, tile in got[len(want):])
-    # The same list written out (ops/common.tile_list, for the Gluon kernels), then (-1, -1) past it.
-    written = [tuple(row) for row in tile_list(sched, int(lengths.sum()), block, last_first).tolist()]
-    assert written == want + [(-1, -1)] * (programs - len(want))
-    # Folded for a grid axis of at most 7 programs (ops/hopper.varlen_grid): padded with (-1, -1) to a multiple of 7,
-    # and the (heads, y, z) grid covers every entry once.
-    from flashtile.ops.hopper import varlen_grid
-    folded, (heads, y, z) = varlen_grid(sched, int(lengths.sum()), block, last_first, 3, 7)
-    assert [tuple(row) for row in folded.tolist()] == written + [(-1, -1)] * (-len(written) % 7)
-    assert (heads, y * z) == (3, folded.shape[0]) and y == 7
+    for h in range(heads):
+        got = [tuple(row) for row in out[h].tolist()]
+        assert [row[:2] for row in got[:len(want)]] == want
+        assert all(tile * block >= 2**31 - block for _, tile, _, _ in got[len(want):])
+        assert {row[2:] for row in got} == {(h, heads)}
+    # The same list written out, then (-1, -1) up to the grid's entries.
+    written, wgrid = varlen_grid(sched, total, block, last_first, heads, limit)
+    assert wgrid == grid
+    assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -682,7 +690,7 @@ def test_gpu_more_than_2_31_elements(device):
 @pytest.mark.gpu
 def test_gpu_tile_list_past_the_grid_y_limit(device):
     """66,000 sequences of 128 tokens (8.4M, one head of 128): the Gluon kernels' tile lists have more entries than
-    a grid's y axis takes (65,535) and fold into z (ops/hopper.varlen_grid). The first and last sequences, forward
+    a grid's y axis takes (65,535) and fold into z (ops/common.tile_grid). The first and last sequences, forward
     and backward, against the fp64 reference: the last one's tiles are in the second fold."""
     seqs, n, nheads, head_dim = 66000, 128, 1, 128
     total = seqs * n

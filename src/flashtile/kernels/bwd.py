@@ -18,8 +18,9 @@ its programs may start once every dQ program has started (each dQ program allows
 the dQ grid's last wave leaves free. What dK/dV needs from dQ is delta. Each dQ program publishes its rows when it
 ends: a CTA barrier (every thread's delta stores are done), then one thread's release add of the row count to a
 per-(sequence, head) counter. A dK/dV program spins on an acquire load until its head's counter reaches the
-sequence's query length, then reads delta. The dK/dV programs that start early are the first heads', whose dQ
-programs ran in the first waves. No deadlock: the programs waited on have all started, so they run to completion.
+sequence's query length, then reads delta. The dK/dV programs that start early are the first in launch order,
+whose (sequence, head)'s dQ programs ran in the first waves. No deadlock: the programs waited on have all started,
+so they run to completion.
 Before exiting, each dK/dV program (one with no keys too) waits for the whole dQ grid (griddepcontrol.wait), so
 the kernel ends after dQ is written and work queued behind it sees both. Without PDL (the interpreter,
 FLASHTILE_PDL=0, GPUs before sm_90) the kernels run one after the other and the counters are complete before dK/dV
@@ -114,11 +115,10 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr,
 ):
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
-    b, pid_n = tile_coords(SCHEDULE, batch, BLOCK_N, False, IS_VARLEN)
-    hk = tl.program_id(1)
+    b, pid_n, hk, heads_kv = tile_coords(SCHEDULE, batch, BLOCK_N, False, IS_VARLEN, STEP)
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
     n_start = pid_n * BLOCK_N
@@ -150,7 +150,7 @@ def _bwd_dkdv_kernel(
                            seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
         LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
-        _wait_delta(READY + b * tl.num_programs(1) * GROUP + h, seqlen_q)
+        _wait_delta(READY + b * heads_kv * GROUP + h, seqlen_q)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
@@ -218,12 +218,11 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
-    b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
-    h = tl.program_id(1)
+    b, pid_m, h, heads = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
@@ -275,5 +274,5 @@ def _bwd_dq_kernel(
     # Every thread's delta stores happen before one thread's release add: dK/dV programs of this head waiting for
     # these rows may read them.
     tl.debug_barrier()
-    tl.atomic_add(READY + b * tl.num_programs(1) + h, tl.minimum(seqlen_q - m_start, BLOCK_M), sem="release",
+    tl.atomic_add(READY + b * heads + h, tl.minimum(seqlen_q - m_start, BLOCK_M), sem="release",
                   scope="gpu")

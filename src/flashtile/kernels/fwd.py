@@ -25,8 +25,9 @@ Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shape
 writes are dropped) plus a key mask on the last key block; paged loads mask rows past seqlen_k instead, and never
 read a block-table entry for them. Does not do dropout.
 
-Grid: dense (query tiles, query heads, B); varlen (query-tile list, query heads), the tiles of every sequence in one
-list ordered longest first (Notes [varlen tile list] and [longest sequences first] in seqlen.py). Either way a
+Grid: dense (query tiles, query heads, B); varlen (query heads, query-tile list), the tiles of every sequence in one
+list ordered longest first (Notes [varlen tile list] and [longest sequences first] in seqlen.py; heads fastest as in
+Note [varlen grid order] in hopper_fwd.py). Either way a
 program computes exactly one tile: a loop over tiles around the body would make Triton hoist the O staging buffer
 out of it, 16 KB more shared memory per program (d256 would no longer fit on sm_90).
 """
@@ -124,14 +125,13 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, batch, page_size, page_mul, page_shift, num_pages, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    PAGED: tl.constexpr, DESC: tl.constexpr,
+    PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
-    b, pid_m = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN)
-    h = tl.program_id(1)
+    b, pid_m, h, _ = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K, not PAGED)

@@ -151,16 +151,16 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
     2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides and the TILES and CU_SEQLENS unused; over the
     packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is (H, the tile
-    list's bound), folded into z past 65535 entries (ops/hopper.varlen_grid): each program reads its (sequence,
-    tile) from TILES (ops/common.tile_list: longest sequences first, and within one the last tile first). O_PTR is
+    list's bound), folded into z past 65535 entries (ops/common.tile_grid): each program reads its (sequence,
+    tile) from TILES (ops/common.varlen_grid: longest sequences first, and within one the last tile first). O_PTR is
     O's tensor, for the last tile of a varlen sequence.
 
     Note [varlen grid order]: in a varlen grid the heads are the fastest axis, so the programs in flight are every
     head of a few tiles. A row of a packed (total, H, D) tensor holds all its heads (H x 256 bytes at d128), so they
     read whole rows together; with the tile list fastest (a dense grid's order) they were the tiles of one head of
     many sequences, each reading 256 bytes of every row. On the 16-sequence mix (H200, bf16, d128, H=16) heads first
-    made dK/dV 4% faster (7% causal) and the causal forward 4% (PERF.md, v11). The dense grids keep their order
-    (heads first is not measured there).
+    made dK/dV 4% faster (7% causal) and the causal forward 4% (PERF.md, v11); the Triton kernels' varlen grids
+    take the same order (seqlen.tile_coords). The dense grids keep theirs (heads first is not measured there).
 
     Note [varlen descriptors]: a box over a packed tensor does not end where the sequence does, so the last tile of
     a sequence reads (and would write) the next sequence's rows. Reading them is harmless for Q and K: a query row

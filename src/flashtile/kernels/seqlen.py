@@ -8,12 +8,13 @@ sequence to its first seqused[b] tokens without moving it.
 Note [varlen tile list]: a dense grid is (tiles, heads, B). A varlen grid of that shape would need the longest
 sequence's tile count for every sequence, and the programs past a shorter sequence's end would only read
 cu_seqlens and exit: on a mix of 256..4096 tokens that is three programs in four, each holding an SM slot. So a
-varlen grid is (tile bound, heads): the tiles of all sequences in one list, whose length is bounded from the
+varlen grid is (heads, tile bound): the tiles of all sequences in one list, whose length is bounded from the
 packed total alone (sum of cdiv(len_b, BLOCK) <= cdiv(total, BLOCK) + B), with no host synchronisation and
 without reading max_seqlen. `_schedule_kernel` writes the sequences in launch order with their tiled lengths;
-program t walks it once (`tile_coords`: a prefix sum of tile counts, CHUNK sequences per step) to find its
-(sequence, tile): one read of the schedule (8 KB from L2 for up to 1024 sequences) and a prefix sum per program, in
-place of the idle programs. At most B programs per head are left over past the list, and they exit at once.
+program t walks it once (`tile_coords`: a prefix sum of tile counts, up to MAX_STEP sequences per step) to find
+its (sequence, tile): one read of the schedule (8 KB from L2 for up to 1024 sequences) and a prefix sum per
+program, in place of the idle programs. At most B programs per head are left over past the list, and they exit at
+once.
 
 Note [longest sequences first]: the list is in order of decreasing cost per tile (the length of the axis each
 tile sweeps: keys for the forward and dQ, queries for dK/dV), and within a sequence the most expensive tile comes
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 MAX_SORT = 1024  # sequences sorted together by _schedule_kernel (one bitonic sort per program)
-CHUNK = tl.constexpr(1024)  # sequences tile_coords reads per step: one step up to 1024 sequences
+MAX_STEP = 1024  # sequences tile_coords and the tile list read per step: one step up to 1024 sequences
 
 
 @triton.jit
@@ -136,21 +137,29 @@ def seq_lengths(b, ok, cu_seqlens, seqused, bound, HAS_SEQUSED: tl.constexpr, PA
 
 
 @triton.jit
-def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(sequence b, tile index) of this program; tiles are BLOCK rows of the axis the grid's first dimension tiles.
+def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
+                STEP: tl.constexpr):
+    """(sequence b, tile index, head h, heads in the grid) of this program; tiles are BLOCK rows of the axis the
+    grid tiles.
 
-    Dense: (program_id(2), program_id(0)), counted from the last tile if LAST_FIRST. Varlen: program_id(0) is a
-    position in the tile list (Note [varlen tile list]); SCHEDULE is (2, batch) int32, the sequences in launch
-    order and their tiled lengths. Within a sequence the tiles come last first if LAST_FIRST. A program past the
-    list gets sequence 0 and a tile index past any sequence's end, so its end-of-sequence check exits it.
+    Dense grid (tiles, heads, B): (program_id(2), program_id(0), program_id(1)), the tile counted from the last if
+    LAST_FIRST. Varlen grid (heads, tile list) with the heads fastest (Note [varlen grid order] in hopper_fwd.py),
+    the list folded into z past y's limit (ops/common.varlen_grid): program (h, y, z) is position z * Y + y in the
+    tile list (Note [varlen tile list]), found by walking SCHEDULE, (2, batch) int32, the sequences in launch order
+    and their tiled lengths, STEP sequences at a time (ops/common.schedule_step sizes it by the batch: a prefix sum
+    1024 wide for 16 sequences made the causal dQ kernel 2-4% slower, PERF.md v11). Within a sequence the tiles
+    come last first if LAST_FIRST. A program past the list gets sequence 0 and a tile index past any sequence's
+    end, so its end-of-sequence check exits it.
     """
     if IS_VARLEN:
-        t = tl.program_id(0)
+        h = tl.program_id(0)
+        heads = tl.num_programs(0)
+        t = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
         b = 0
         tile = (2**31 - 1) // BLOCK
-        before = 0  # tiles of the sequences in earlier chunks
-        for first in range(0, batch, CHUNK):
-            z = first + tl.arange(0, CHUNK)
+        before = 0  # tiles of the sequences in earlier steps
+        for first in range(0, batch, STEP):
+            z = first + tl.arange(0, STEP)
             ok = z < batch
             seq = tl.load(SCHEDULE + z, mask=ok, other=0)
             tiles = tl.cdiv(tl.load(SCHEDULE + batch + z, mask=ok, other=0), BLOCK)
@@ -165,11 +174,13 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
             before += tl.sum(tiles, 0)
     else:
         b = tl.program_id(2)
+        h = tl.program_id(1)
+        heads = tl.num_programs(1)
         if LAST_FIRST:
             tile = tl.num_programs(0) - 1 - tl.program_id(0)
         else:
             tile = tl.program_id(0)
-    return b, tile
+    return b, tile, h, heads
 
 
 @triton.jit
@@ -193,23 +204,32 @@ def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, b
 
 
 @triton.jit
-def _tile_list_kernel(SCHEDULE, TILES, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+def _tile_list_kernel(SCHEDULE, TILES, batch, entries, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr,
+                      STEP: tl.constexpr):
     """The tile list of Note [varlen tile list] written out, one (sequence, tile) pair per entry, for kernels that
     read their coordinates instead of walking SCHEDULE (the Gluon Hopper kernels: their per-program code has no
-    room for tile_coords' vector prefix sum). Program p writes the tiles of the p-th sequence in SCHEDULE, in
-    tile_coords' order; TILES (2 * bound) int32 comes filled with -1, which marks the entries past the list."""
+    room for tile_coords' vector prefix sum). Program p < batch writes the tiles of the p-th sequence in SCHEDULE,
+    in tile_coords' order; program `batch` writes (-1, -1) into the rest of the `entries` entries of TILES, which
+    marks them as past the list."""
     p = tl.program_id(0)
-    seq = tl.load(SCHEDULE + p)
-    n = tl.cdiv(tl.load(SCHEDULE + batch + p), BLOCK)
-    before = 0  # tiles of the sequences before p in SCHEDULE
-    for first in range(0, batch, CHUNK):
-        z = first + tl.arange(0, CHUNK)
-        tiles = tl.cdiv(tl.load(SCHEDULE + batch + z, mask=z < p, other=0), BLOCK)
+    before = 0  # tiles of the sequences before p in SCHEDULE (all of them for the last program)
+    for first in range(0, batch, STEP):
+        z = first + tl.arange(0, STEP)
+        tiles = tl.cdiv(tl.load(SCHEDULE + batch + z, mask=z < tl.minimum(p, batch), other=0), BLOCK)
         before += tl.sum(tiles, 0)
-    for i in range(n):
-        entry = TILES + 2 * (before + i)
-        tl.store(entry, seq)
-        if LAST_FIRST:
-            tl.store(entry + 1, n - 1 - i)
-        else:
-            tl.store(entry + 1, i)
+    if p < batch:
+        seq = tl.load(SCHEDULE + p)
+        n = tl.cdiv(tl.load(SCHEDULE + batch + p), BLOCK)
+        for i in range(n):
+            entry = TILES + 2 * (before + i)
+            tl.store(entry, seq)
+            if LAST_FIRST:
+                tl.store(entry + 1, n - 1 - i)
+            else:
+                tl.store(entry + 1, i)
+    else:
+        PAD: tl.constexpr = 512
+        for first in range(before, entries, PAD):
+            e = first + tl.arange(0, 2 * PAD) // 2  # each entry's two int32s, side by side
+            offs = 2 * first + tl.arange(0, 2 * PAD)
+            tl.store(TILES + offs, tl.full([2 * PAD], -1, tl.int32), mask=e < entries)

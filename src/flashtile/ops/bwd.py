@@ -3,12 +3,12 @@ dK/dV.
 
 Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (key tiles, KV heads, sequences)
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
-reproducible. Varlen batches get the forward's tile lists (kernels/seqlen.py): dQ tiles cost in proportion to
-their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest sequences first. Two
-launches, in that order on one stream: dK/dV reads the delta the dQ kernel wrote, through per-(sequence, head)
-counters that let it start on the SMs the dQ grid's last wave leaves idle, launched with programmatic dependent
-launch on sm_90 (Note [delta handoff] in kernels/bwd.py; FLASHTILE_PDL=0 switches that off). Packed inputs get
-their gradients written into one buffer of the packed shape.
+reproducible. Varlen batches get the forward's tile lists and heads-first grids (kernels/seqlen.py): dQ tiles
+cost in proportion to their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest
+sequences first. Two launches, in that order on one stream: dK/dV reads the delta the dQ kernel wrote, through
+per-(sequence, head) counters that let it start on the SMs the dQ grid's last wave leaves idle, launched with
+programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py; FLASHTILE_PDL=0 switches that
+off). Packed inputs get their gradients written into one buffer of the packed shape.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule,
-                     tile_grid, tma_ready, unpack)
+                     schedule_step, tile_grid, tma_ready, unpack)
 from .fwd import logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
@@ -90,7 +90,8 @@ def attention_bwd(
     def static(kernel):
         flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
                              seqused_q is not None, seqused_k is not None, q.dtype)
-        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
+        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, STEP=schedule_step(batch, varlen), **head_dims(head_dim),
+                          **flags)
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                    *bmh_strides(dout, varlen))
         tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, batch,

@@ -23,7 +23,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import env
 from ..config import block_d
-from ..kernels.seqlen import MAX_SORT, _schedule_kernel, _tile_list_kernel
+from ..kernels.seqlen import MAX_SORT, MAX_STEP, _schedule_kernel, _tile_list_kernel
+from .launch import launch_fixed, signature
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -163,40 +164,59 @@ def schedule(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost: t
              bound_cost: int, cost_packed: bool = True) -> torch.Tensor:
     """(2, B) int32 on the device: the sequences in launch order, longest `cost` side first, and the lengths of their
     `tiled` side (the axis the grid tiles), both clamped to their bounds as the kernels clamp them (seqlen.py:
-    seq_lengths). One small launch, no host synchronisation. Notes [varlen tile list] and [longest sequences
-    first] in kernels/seqlen.py."""
+    seq_lengths). One small launch through the launch cache, no host synchronisation. Notes [varlen tile list] and
+    [longest sequences first] in kernels/seqlen.py."""
     batch = cu_tiled.shape[0] - 1
     out = torch.empty((2, batch), dtype=torch.int32, device=cu_tiled.device)
     if batch > 0:
         block = min(MAX_SORT, triton.next_power_of_2(batch))
-        _schedule_kernel[(triton.cdiv(batch, block),)](
-            cu_tiled, seqused_tiled, cu_cost, seqused_cost, out, batch, bound_tiled, bound_cost, BLOCK_B=block,
-            HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
-            COST_PACKED=cost_packed)
+        key = (signature(cu_tiled, seqused_tiled, cu_cost, seqused_cost), bound_tiled, bound_cost, cost_packed)
+        launch_fixed(_schedule_kernel, key, (triton.cdiv(batch, block), 1, 1),
+                     (cu_tiled, seqused_tiled, cu_cost, seqused_cost, out), (batch, bound_tiled, bound_cost),
+                     dict(BLOCK_B=block, HAS_SEQUSED_TILED=seqused_tiled is not None,
+                          HAS_SEQUSED_COST=seqused_cost is not None, COST_PACKED=cost_packed), num_warps=4)
     return out
 
 
-def tile_list(order: torch.Tensor, total: int, block: int, last_first: bool, fold: int = 0) -> torch.Tensor:
-    """(bound, 2) int32 on the device: `schedule`'s order expanded to one (sequence, tile) entry per tile of `block`
-    rows, in tile_coords' order, and (-1, -1) past the list; bound = cdiv(total, block) + B bounds the list
-    whatever the lengths (tile_grid), rounded up to a multiple of `fold` when longer than that (a grid axis's
-    limit: ops/hopper.varlen_grid). One fill and one small launch, no host synchronisation."""
-    batch = order.shape[1]
-    bound = triton.cdiv(total, block) + batch
-    if fold and bound > fold:
-        bound = triton.cdiv(bound, fold) * fold
-    tiles = torch.full((bound, 2), -1, dtype=torch.int32, device=order.device)
-    if batch > 0:
-        _tile_list_kernel[(batch,)](order, tiles, batch, BLOCK=block, LAST_FIRST=last_first)
-    return tiles
+def schedule_step(batch: int, varlen: bool) -> int:
+    """How many sequences tile_coords and the tile list read per step of their prefix sum (kernels/seqlen.py): a
+    few sizes, so that the kernels that take it compile a few times, not once per batch size. A dense grid walks
+    no schedule: one value for every batch."""
+    if not varlen:
+        return MAX_STEP
+    return 16 if batch <= 16 else 128 if batch <= 128 else MAX_STEP
 
 
-def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varlen: bool) -> tuple[int, int, int]:
-    """(tiles, heads, sequences) for a dense batch; (tile list, heads, 1) for a varlen one, whose list of
-    sum_b cdiv(len_b, block) <= cdiv(total, block) + batch tiles is bounded whatever the lengths are."""
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (and z) dimension
+
+
+def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varlen: bool,
+              limit: int = MAX_GRID_Y) -> tuple[int, int, int]:
+    """(tiles, heads, sequences) for a dense batch. For a varlen one (heads, tile list) with the heads fastest (Note
+    [varlen grid order] in kernels/hopper_fwd.py), the list of sum_b cdiv(len_b, block) <= cdiv(total, block) + B
+    tiles bounded whatever the lengths are; one longer than y's limit (more than 8M tokens of 128-row tiles) folds
+    into z, and a program reads position z * Y + y (seqlen.tile_coords, hopper_common.varlen_program)."""
     if varlen:
-        return triton.cdiv(total, block) + batch, heads, 1
+        n = triton.cdiv(total, block) + batch
+        return heads, min(n, limit), triton.cdiv(n, limit)
     return triton.cdiv(seqlen, block), heads, batch
+
+
+def varlen_grid(order: torch.Tensor, total: int, block: int, last_first: bool, heads: int,
+                limit: int = MAX_GRID_Y) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """`schedule`'s order written out as a tile list, (entries, 2) int32 on the device, and the grid that reads it
+    (tile_grid's): one (sequence, tile) entry per tile of `block` rows, in tile_coords' order, then (-1, -1) up to
+    the grid's Y * Z entries (kernels/seqlen.py: _tile_list_kernel). For kernels that read their tile instead of
+    walking the schedule (the Gluon Hopper kernels). One small launch through the launch cache, no host
+    synchronisation."""
+    batch = order.shape[1]
+    grid = tile_grid(block, 0, total, batch, heads, True, limit)
+    entries = grid[1] * grid[2]
+    tiles = torch.empty((entries, 2), dtype=torch.int32, device=order.device)
+    key = (signature(order), total, block, last_first, limit)
+    launch_fixed(_tile_list_kernel, key, (batch + 1, 1, 1), (order, tiles), (batch, entries),
+                 dict(BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True)), num_warps=4)
+    return tiles, grid
 
 
 @functools.lru_cache(maxsize=64)  # a handful of page sizes per process; every paged or dense forward asks

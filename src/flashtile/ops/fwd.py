@@ -1,12 +1,13 @@
 """Forward launcher and the `flashtile::fwd` custom op (dense, varlen and paged-varlen share it).
 
-Grid: dense (query tiles, query heads, sequences); varlen (query-tile list, query heads), whose first axis lists
-the tiles of every sequence, built on the device and bounded by the packed total, not by max_seqlen_q (Note
-[varlen tile list] in kernels/seqlen.py). The tile axis is the fastest-varying one so that programs running
-together read the same K/V head and share it through L2. Tiles start longest first: the last query tiles of a
-sequence first (under a causal mask they do the most work), and in a varlen batch the sequences with the most
-keys first (Note [longest sequences first]). That is list scheduling with the longest tiles first, which keeps
-every SM busy to the end of a mixed batch without a host synchronisation and without a persistent kernel's queue.
+Grid: dense (query tiles, query heads, sequences), the tile axis fastest, so that programs running together read
+the same K/V head and share it through L2; varlen (query heads, query-tile list), whose list holds the tiles of
+every sequence, built on the device and bounded by the packed total, not by max_seqlen_q (Note [varlen tile list]
+in kernels/seqlen.py), with the heads fastest because a packed row holds every head (Note [varlen grid order] in
+kernels/hopper_fwd.py). Tiles start longest first: the last query tiles of a sequence first (under a causal mask
+they do the most work), and in a varlen batch the sequences with the most keys first (Note [longest sequences
+first]). That is list scheduling with the longest tiles first, which keeps every SM busy to the end of a mixed
+batch without a host synchronisation and without a persistent kernel's queue.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..kernels.fwd import _attn_fwd_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
 from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, host_desc,
-                     schedule, tile_grid, tma_ready, unpack)
+                     schedule, schedule_step, tile_grid, tma_ready, unpack)
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
 from .launch import Static, head_dims, launch, prepare_launch, signature
@@ -128,7 +129,8 @@ def attention_fwd(
         args = (*bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen), *lse_strides(lse, varlen),
                 alibi_batch_stride(alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
                 *fast_divisor(page_size), num_pages, window_left, window_right)
-        constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, **head_dims(head_dim), **flags)
+        constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, STEP=schedule_step(batch, varlen),
+                          **head_dims(head_dim), **flags)
         return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads,
                                                                       varlen))
 

@@ -14,7 +14,7 @@ switches the path off.
 The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
-box, where each program finds its (sequence, tile) in a list written once per call (common.tile_list, in the order
+box, where each program finds its (sequence, tile) in a list written once per call (common.varlen_grid, in the order
 of Note [longest sequences first]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors]
 in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
 of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
@@ -30,7 +30,7 @@ import torch
 from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
-from .common import capability, tile_list, tma_strides
+from .common import capability, tma_strides, varlen_grid
 from .launch import launch_fixed, signature
 
 try:
@@ -111,20 +111,6 @@ def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left
     flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16)
     return dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[-2], MASK_LEFT=flags["MASK_LEFT"],
                 MASK_RIGHT=flags["MASK_RIGHT"], IS_VARLEN=varlen, **cfg.kwargs())
-
-
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (and z) dimension
-
-
-def varlen_grid(order: torch.Tensor, total: int, block: int, last_first: bool, heads: int,
-                limit: int = MAX_GRID_Y) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """The Gluon kernels' varlen tile list (common.tile_list) and grid: (heads, tile list) with the heads fastest
-    (Note [varlen grid order] in kernels/hopper_fwd.py). A list longer than y's limit (more than 8M tokens of
-    128-row tiles) is padded to a multiple of it and folds into z; hopper_common.varlen_program reads entry
-    z * Y + y."""
-    tiles = tile_list(order, total, block, last_first, limit)
-    n = tiles.shape[0]
-    return tiles, (heads, min(n, limit), -(-n // limit))
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,

@@ -170,18 +170,20 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
 def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
                  num_warps: int) -> None:
     """Launch `kernel[grid](*dynamic, *static_args, **constexprs)` whose tile is already in `constexprs` (the Gluon
-    kernels: ops/hopper.py), through the launch cache: `key` must determine grid, static_args and constexprs."""
-    device = torch.cuda.current_device()
+    kernels: ops/hopper.py; the varlen schedule and tile list: ops/common.py), through the launch cache: `key`
+    must determine grid, static_args and constexprs."""
+    device = torch.cuda.current_device() if not env.INTERPRET else -1
     full_key = (kernel, device, key)
     entry = _CACHE.get(full_key) if not _hooked() else None
     if entry is not None:
-        if env.debug_checks():
+        if env.INTERPRET or env.debug_checks():
             _check(kernel, entry, dynamic, static_args, constexprs, grid)
         _launch_cached(kernel, device, entry, dynamic)
         return
     options = {"num_warps": num_warps}
     compiled = kernel[grid](*dynamic, *static_args, **constexprs, **options)
-    _remember(full_key, kernel, compiled, grid, dynamic, static_args, constexprs, constexprs, options)
+    _remember(full_key, kernel, None if env.INTERPRET else compiled, grid, dynamic, static_args, constexprs,
+              constexprs, options)
 
 
 def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
