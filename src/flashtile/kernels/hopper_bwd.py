@@ -153,11 +153,11 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
     delta_h = DELTA + lse_off
     for g in range(GROUP):
         base = g * n_tiles
-        if MASK_LEFT or MASK_RIGHT:
-            # The masked tiles run in their own loop, so the mask's registers and instructions stay out of the main
-            # one. Pass 0: masked front tiles, then the unmasked middle; pass 1: masked tail tiles (its unmasked
-            # range is empty). Each loop body exists once (two masked copies cost ptxas registers), in the loader's
-            # order.
+        if MASK_LEFT:
+            # A sliding window: masked tiles at both ends. They run in their own loop, so the mask's registers and
+            # instructions stay out of the main one. Pass 0: masked front tiles, then the unmasked middle; pass 1:
+            # masked tail tiles (its unmasked range is empty). Each loop body exists once (two masked copies cost
+            # ptxas registers), in the loader's order.
             for ph in range(2):
                 t0 = gl.where(ph == 0, 0, n_mid)
                 t1 = gl.where(ph == 0, n_front, n_tiles)
@@ -170,14 +170,25 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
                                    delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                    BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT)
         else:
-            # Without a mask a tile differs from the others only by its LSE and delta rows past seqlen_q (the last
-            # tile of a sequence that does not end on a tile boundary), so one loop with those loads masked in every
-            # tile: the loop nest above, with its masked tail loop, made the 16-sequence mix's dK/dV 11% slower
-            # (1027 against 923 µs on the H200; 16 x 1k varlen 4%, dense 1.5%: PERF.md, v12).
-            for t in range(n_tiles):
-                dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
-                               delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                               BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
+            # Causal or no mask: past the diagonal tiles (causal) every query sees every key of the program, so the
+            # only other tile that needs care is the last of a sequence that does not end on a tile boundary (its
+            # LSE and delta rows past seqlen_q). So the diagonal tiles, then one loop with those loads masked in
+            # every tile. The loop nest above (masked tail tiles in a loop of their own, nested in the passes) made
+            # the 16-sequence mix's dK/dV 11% slower without a mask and 8% causal (on the H200; PERF.md, v12).
+            if MASK_RIGHT:
+                for t in range(n_front):
+                    dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
+                                   delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
+                                   BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
+                for t in range(n_front, n_tiles):
+                    dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
+                                   delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
+                                   BLOCK_M, STAGES, True, False, False)
+            else:
+                for t in range(n_tiles):
+                    dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
+                                   delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
+                                   BLOCK_M, STAGES, True, False, False)
         lse_h += stride_lh
         delta_h += stride_lh
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence (or the program is past the list)
