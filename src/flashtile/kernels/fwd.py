@@ -27,9 +27,9 @@ read a block-table entry for them. Does not do dropout.
 
 Grid: dense (query tiles, query heads, B); varlen (query heads, query-tile list), the tiles of every sequence in one
 list ordered longest first (Notes [varlen tile list] and [longest sequences first] in seqlen.py; heads fastest as in
-Note [varlen grid order] in hopper_fwd.py). Either way a
-program computes exactly one tile: a loop over tiles around the body would make Triton hoist the O staging buffer
-out of it, 16 KB more shared memory per program (d256 would no longer fit on sm_90).
+Note [varlen grid order] in hopper_fwd.py). Either way a program computes exactly one tile: a loop over tiles
+around the body would make Triton hoist the O staging buffer out of it, 16 KB more shared memory per program (d256
+would no longer fit on sm_90).
 """
 
 import triton

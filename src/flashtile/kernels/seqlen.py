@@ -144,7 +144,7 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
 
     Dense grid (tiles, heads, B): (program_id(2), program_id(0), program_id(1)), the tile counted from the last if
     LAST_FIRST. Varlen grid (heads, tile list) with the heads fastest (Note [varlen grid order] in hopper_fwd.py),
-    the list folded into z past y's limit (ops/common.varlen_grid): program (h, y, z) is position z * Y + y in the
+    the list folded into z past y's limit (ops/common.tile_grid): program (h, y, z) is position z * Y + y in the
     tile list (Note [varlen tile list]), found by walking SCHEDULE, (2, batch) int32, the sequences in launch order
     and their tiled lengths, STEP sequences at a time (ops/common.schedule_step sizes it by the batch: a prefix sum
     1024 wide for 16 sequences made the causal dQ kernel 2-4% slower, PERF.md v11). Within a sequence the tiles
