@@ -1,10 +1,11 @@
 """Host time and do_bench time of one varlen call on the benchmark's 16-sequence mix, one source tree per process.
 
-Host part: microseconds of Python per call (min and median of five bursts of 50 calls) for the forward under
-no_grad and for a forward+backward (torch.autograd.grad), with the GPU kept busy by a sleep kernel so that no call
-waits on it. Device part: `triton.testing.do_bench` of the same call (median, 20th and 80th percentiles, ms).
-Causal and not; d128, 16 heads, bf16, random inputs. PERF.md, v12 (S12-2) has what it printed on the H200 for two
-trees; the host's speed varies from one burst to the next, so compare minima, in one process after another.
+Host part: microseconds of Python per call (host_breakdown.host_us: min and median of five bursts, here of 50
+calls) for the forward under no_grad and for a forward+backward (torch.autograd.grad), with the GPU kept busy by a
+sleep kernel so that no call waits on it. Device part: `triton.testing.do_bench` of the same call (median, 20th
+and 80th percentiles, ms). Causal and not; d128, 16 heads, bf16, random inputs. PERF.md, v12 (S12-2) has what it
+printed on the H200 for two trees; the host's speed varies from one burst to the next, so compare minima, in one
+process after another.
 
 Usage (GPU): PYTHONPATH=<tree>/src python3 tools/varlen_host_times.py <tag>
 """
@@ -12,30 +13,15 @@ Usage (GPU): PYTHONPATH=<tree>/src python3 tools/varlen_host_times.py <tag>
 import json
 import statistics
 import sys
-import time
 
 import torch
+from host_breakdown import host_us  # tools/ is on the path of a script run from it
 from triton.testing import do_bench
 
 import flashtile
 from flashtile.bench.cases import VARLEN_MIX
 
 HEADS, HEAD_DIM = 16, 128
-
-
-def host_us(fn, reps: int = 50, bursts: int = 5) -> tuple[float, float]:
-    """(min, median) over bursts of the host's µs per call, the GPU busy throughout."""
-    res = []
-    for _ in range(bursts):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))
-        fn()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        res.append((time.perf_counter() - t) / reps * 1e6)
-        torch.cuda.synchronize()
-    return round(min(res), 1), round(statistics.median(res), 1)
 
 
 def main() -> None:
@@ -62,7 +48,7 @@ def main() -> None:
             torch.cuda.synchronize()
             ms = do_bench(f, warmup=25, rep=200, return_mode="all")
             cuts = statistics.quantiles(ms, n=5)
-            print(json.dumps({"tag": tag, "call": name, "causal": causal, "host_us_min_med": host_us(f),
+            print(json.dumps({"tag": tag, "call": name, "causal": causal, "host_us_min_med": host_us(f, n=50),
                               "bench_ms": [round(statistics.median(ms), 4), round(cuts[0], 4), round(cuts[3], 4)]}),
                   flush=True)
 
