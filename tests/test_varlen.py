@@ -290,7 +290,7 @@ def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl
 
 
 @pytest.mark.parametrize("many, last_first", [(False, False), (True, True)], ids=["20", "MAX_STEP+77"])
-def test_tile_list(device, many, last_first):
+def test_tile_list(device, monkeypatch, many, last_first):
     """Every tile of every sequence exactly once, in schedule order (over more sequences than one step); the
     programs past the list get a tile index past any sequence. The grid is (heads, list) with the list folded into
     z past a limit (7 here, 65535 on a GPU): every head reads the whole list. tile_coords and the written-out list
@@ -319,8 +319,16 @@ def test_tile_list(device, many, last_first):
         assert [row[:2] for row in got[:len(want)]] == want
         assert all(tile * block >= 2**31 - block for _, tile, _, _ in got[len(want):])
         assert {row[2:] for row in got} == {(h, heads)}
-    # The same list written out, then (-1, -1) up to the grid's entries.
+    # The same list written out, then (-1, -1) up to the grid's entries: written into memory filled with 7s, so
+    # that an entry the kernel leaves unwritten shows.
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     written, wgrid = varlen_grid(sched, total, block, last_first, heads, limit)
+    monkeypatch.undo()
     assert wgrid == grid
     assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
 
