@@ -83,13 +83,13 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 _DENSE = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
               MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-              DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP)
+              DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=False)
 FLAG_SETS = {
     "dense": _DENSE,
     "causal": dict(_DENSE, MASK_RIGHT=True),
     "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
-                DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP),
+                DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=True),
     "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, DESC=0,
                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
                   DOT_PRECISION="tf32", STEP=MAX_STEP),

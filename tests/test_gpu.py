@@ -209,3 +209,5 @@ def test_autotune_path(device, monkeypatch):
     """FLASHTILE_AUTOTUNE=1 picks tiles by timing config.CANDIDATES; results must not change beyond rounding."""
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
     run_case(device, 2, 1024, 1024, 8, 2, 128, torch.bfloat16, causal=True)
+    # Varlen: the dQ kernel walks the schedule, as no tile list fits every candidate's BLOCK_M (ops/bwd.py).
+    run_varlen(device, [1000, 0, 300, 2048], [1000, 0, 300, 2048], 8, 2, 128, torch.bfloat16, causal=True)

@@ -279,8 +279,9 @@ def test_schedule_is_longest_first(device):
 
 
 @triton.jit
-def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, STEP: tl.constexpr):
-    b, tile, h, heads = tile_coords(SCHEDULE, batch, BLOCK, LAST_FIRST, True, STEP)
+def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, STEP: tl.constexpr,
+                       LISTED: tl.constexpr):
+    b, tile, h, heads = tile_coords(SCHEDULE, batch, BLOCK, LAST_FIRST, True, STEP, LISTED)
     entry = OUT + 4 * (h * tl.num_programs(1) * tl.num_programs(2) + tl.program_id(2) * tl.num_programs(1)
                        + tl.program_id(1))
     tl.store(entry, b)
@@ -309,7 +310,8 @@ def test_tile_list(device, monkeypatch, many, last_first):
     assert grid[0] == heads and programs >= -(-total // block) + batch
     assert many or (grid[1] == 7 and grid[2] > 1)  # folded
     out = torch.full((heads, programs, 4), -1, dtype=torch.int32, device=device)
-    _tile_coords_probe[grid](sched, out, batch, BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True))
+    _tile_coords_probe[grid](sched, out, batch, BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True),
+                             LISTED=False)
     want = []
     for b in sched[0].tolist():
         tiles = list(range(math.ceil(int(lengths[b]) / block)))
@@ -331,6 +333,10 @@ def test_tile_list(device, monkeypatch, many, last_first):
     monkeypatch.undo()
     assert wgrid == grid
     assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
+    # tile_coords reading that list (LISTED, the dQ kernel's way) finds what its walk of the schedule finds.
+    listed = torch.full_like(out, -1)
+    _tile_coords_probe[grid](written, listed, batch, BLOCK=block, LAST_FIRST=last_first, STEP=1, LISTED=True)
+    assert torch.equal(listed, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -341,6 +347,22 @@ def grads_of(fn, inputs, dout):
     inputs = [t.detach().requires_grad_() for t in inputs]
     out = fn(*inputs)
     return (out, *torch.autograd.grad(out, inputs, dout))
+
+
+def test_dq_walks_the_schedule_under_autotune(device, monkeypatch):
+    """With FLASHTILE_AUTOTUNE=1 an autotuner may launch the varlen dQ kernel with another BLOCK_M than a written
+    tile list's, so it walks the schedule instead (seqlen.tile_coords without LISTED), and no list is written.
+    The interpreter launches the table's tiles either way; on a GPU, test_gpu.py's test_autotune_path autotunes."""
+    if device != "cpu":
+        pytest.skip("on a GPU this would autotune every kernel")
+    import flashtile.ops.bwd
+
+    def no_list(*args, **kwargs):
+        raise AssertionError("the backward wrote a tile list under FLASHTILE_AUTOTUNE=1")
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    monkeypatch.setattr(flashtile.ops.bwd, "varlen_grid", no_list)
+    run_varlen(device, [40, 0, 77, 5], [40, 0, 77, 5], causal=True)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])

@@ -218,11 +218,11 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr, LISTED: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
-    b, pid_m, h, heads = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP)
+    b, pid_m, h, heads = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP, LISTED)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)

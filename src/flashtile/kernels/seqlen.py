@@ -138,7 +138,7 @@ def seq_lengths(b, ok, cu_seqlens, seqused, bound, HAS_SEQUSED: tl.constexpr, PA
 
 @triton.jit
 def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
-                STEP: tl.constexpr):
+                STEP: tl.constexpr, LISTED: tl.constexpr = False):
     """(sequence b, tile index, head h, heads in the grid) of this program; tiles are BLOCK rows of the axis the
     grid tiles.
 
@@ -150,8 +150,19 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
     1024 wide for 16 sequences made the causal dQ kernel 2-4% slower, PERF.md v11). Within a sequence the tiles
     come last first if LAST_FIRST. A program past the list gets sequence 0 and a tile index past any sequence's
     end, so its end-of-sequence check exits it.
+
+    LISTED: SCHEDULE is instead that list written out for this BLOCK and LAST_FIRST (ops/common.varlen_grid), and
+    the program reads its entry: one load in place of the walk's prefix sums, which cost the varlen dQ kernel
+    registers (ptxas: 213 against 197 listed, dense 176) and 4-6% of its time (PERF.md, v13).
     """
-    if IS_VARLEN:
+    if IS_VARLEN and LISTED:
+        h = tl.program_id(0)
+        heads = tl.num_programs(0)
+        entry = SCHEDULE + 2 * (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1))
+        seq = tl.load(entry)
+        b = tl.maximum(seq, 0)
+        tile = tl.where(seq >= 0, tl.load(entry + 1), (2**31 - 1) // BLOCK)
+    elif IS_VARLEN:
         h = tl.program_id(0)
         heads = tl.num_programs(0)
         t = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)

@@ -5,10 +5,12 @@ Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
 reproducible. Varlen batches get the forward's tile lists and heads-first grids (kernels/seqlen.py): dQ tiles
 cost in proportion to their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest
-sequences first. Two launches, in that order on one stream: dK/dV reads the delta the dQ kernel wrote, through
-per-(sequence, head) counters that let it start on the SMs the dQ grid's last wave leaves idle, launched with
-programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py; FLASHTILE_PDL=0 switches that
-off). Packed inputs get their gradients written into one buffer of the packed shape.
+sequences first. The dQ kernel reads its tile from its list written out (ops/common.varlen_grid); the Triton
+dK/dV kernel walks its schedule (seqlen.tile_coords). Two launches, in that order on one stream: dK/dV reads the
+delta the dQ kernel wrote, through per-(sequence, head) counters that let it start on the SMs the dQ grid's last
+wave leaves idle, launched with programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py;
+FLASHTILE_PDL=0 switches that off). Packed inputs get their gradients written into one buffer of the packed
+shape.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Optional
 
 import torch
 
+from .. import env
+from ..config import tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule,
-                     schedule_step, tile_grid, tma_ready, unpack)
+                     schedule_step, tile_grid, tma_ready, unpack, varlen_grid)
 from .fwd import logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
@@ -65,12 +69,18 @@ def attention_bwd(
         return grads
     dout = tma_ready(dout)
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    fp32 = q.dtype == torch.float32
+    # The varlen dQ kernel reads its tile from a list written for its BLOCK_M (seqlen.tile_coords, LISTED), unless
+    # an autotuner may launch it with another BLOCK_M: then it walks the schedule.
+    listed = varlen and not env.autotune()
     if varlen:
         # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
         # packed totals passed as their seqlen arguments.
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
         order_dkdv = schedule(cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q)
         order_dq = schedule(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k)
+        if listed:
+            order_dq, _ = varlen_grid(order_dq, seqlen_q, tile_config("bwd_dq", head_dim, fp32).block_m, True, nheads)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order_dkdv = order_dq = None
@@ -90,8 +100,11 @@ def attention_bwd(
     def static(kernel):
         flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
                              seqused_q is not None, seqused_k is not None, q.dtype)
-        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, STEP=schedule_step(batch, varlen), **head_dims(head_dim),
-                          **flags)
+        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
+        if kernel == "bwd_dq":
+            constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed)
+        else:
+            constexprs.update(STEP=schedule_step(batch, varlen))
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                    *bmh_strides(dout, varlen))
         tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, batch,
@@ -105,9 +118,9 @@ def attention_bwd(
     # Everything `static` reads (Note [launch cache]): the gradients and delta are fresh allocations whose layout
     # the inputs' shapes and the packing fix.
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
-           window_left, window_right, softcap > 0.0, packing, pdl)
+           window_left, window_right, softcap > 0.0, packing, pdl, listed)
     prepare_launch(q)
-    launch(_bwd_dq_kernel, "bwd_dq", head_dim, q.dtype == torch.float32, key,
+    launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
            (q, k, v, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
            lambda: static("bwd_dq"))
     record("bwd_dq", TRITON)
@@ -116,7 +129,7 @@ def attention_bwd(
                         cu_seqlens_q, cu_seqlens_k, order_dkdv)
         record("bwd_dkdv", HOPPER_PATH)
         return grads
-    launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, q.dtype == torch.float32, key,
+    launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, fp32, key,
            (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args, order_dkdv, *scalars),
            lambda: static("bwd_dkdv"), pdl=pdl)
     record("bwd_dkdv", TRITON)
