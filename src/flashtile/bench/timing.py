@@ -3,8 +3,18 @@
 On a GPU one round of timing is `triton.testing.do_bench`: it sizes the warm-up and the repetition count from a
 first estimate (about `rep_ms` of repetitions), times each repetition with its own pair of CUDA events, and
 clears the L2 cache before each (a 256 MB write, outside the events) — so cold-cache time is measured, as a real
-model step sees it. run.py times every backend of a case in several such rounds, interleaved (Note
-[interleaved rounds] there), and `summarize` pools the rounds' repetitions.
+model step sees it. The warm-up runs the call back to back for at least HEAT_MS first, so that the repetitions
+run at the clock a long run settles at, not at the boost clock of a GPU that has just idled (Note [sustained
+clocks]). run.py times every backend of a case in several such rounds, interleaved (Note [interleaved rounds]
+there), and `summarize` pools the rounds' repetitions.
+
+Note [sustained clocks]: the H200 we measure on runs at 1980 MHz when work starts after an idle moment, and its
+power limit (700 W) pulls the SM clock to 1665-1680 MHz within about 100 ms of heavy tensor work (nvidia-smi
+every 20 ms beside a back-to-back d128 forward at S=4k: 0.84-0.86 ms a call for the first ~80 ms, then 0.955 ms,
+reason "SW power cap"; PERF.md, v13). do_bench's 25 ms warm-up left a round's repetitions partly in the boost
+window and partly past it: the two modes of PERF.md's session-12 lead 1 (the same kernel at 0.477 or 0.51 ms),
+and a case timed after an idle gap (inputs, reference checks) looked faster than one timed after another case.
+Heated first, every round measures the sustained clock, which is what a training or serving run sees.
 
 Decode is timed with `graph=True`: the repetitions are captured into one CUDA graph and replayed
 (`triton.testing.do_bench_cudagraph`), as serving stacks run decode steps. A decode step takes a fraction of a
@@ -26,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 CPU_REPS = 3
+HEAT_MS = 250  # back-to-back warm-up before each GPU round: past the boost window (Note [sustained clocks])
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ def sample(run, leaves, device: torch.device, rep_ms: int = 100, graph: bool = F
                 return list(triton.testing.do_bench_cudagraph(run, rep=rep_ms, return_mode="all")), "cuda graph"
             except Exception:  # noqa: BLE001  (not capturable: time it eagerly and say so)
                 torch.cuda.synchronize()
-        times = triton.testing.do_bench(run, warmup=max(25, rep_ms // 4), rep=rep_ms, grad_to_none=list(leaves),
+        times = triton.testing.do_bench(run, warmup=max(HEAT_MS, rep_ms // 4), rep=rep_ms, grad_to_none=list(leaves),
                                         return_mode="all")
         return list(times), "eager (graph capture failed)" if graph else "events"
     run()  # warm-up: the interpreter and torch's first-call costs
