@@ -40,7 +40,7 @@ def main() -> None:
     torch.cuda.synchronize()
     time.sleep(1.0)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(args.calls + 1)]
-    host_start = time.time()  # when events[0] is recorded, to a host launch's latency
+    host_start = time.time()  # when events[0] is recorded, to within a launch's latency
     events[0].record()
     for i in range(args.calls):
         flashtile.flash_attn_func(q, k, v, causal=args.causal)
