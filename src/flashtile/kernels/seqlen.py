@@ -155,17 +155,15 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
     the program reads its entry: one load in place of the walk's prefix sums, which cost the varlen dQ kernel
     registers (ptxas: 213 against 197 listed, dense 176) and 4-6% of its time (PERF.md, v13).
     """
-    if IS_VARLEN and LISTED:
-        h = tl.program_id(0)
-        heads = tl.num_programs(0)
-        entry = SCHEDULE + 2 * (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1))
-        seq = tl.load(entry)
-        b = tl.maximum(seq, 0)
-        tile = tl.where(seq >= 0, tl.load(entry + 1), (2**31 - 1) // BLOCK)
-    elif IS_VARLEN:
+    if IS_VARLEN:
         h = tl.program_id(0)
         heads = tl.num_programs(0)
         t = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    if IS_VARLEN and LISTED:
+        seq = tl.load(SCHEDULE + 2 * t)
+        b = tl.maximum(seq, 0)
+        tile = tl.where(seq >= 0, tl.load(SCHEDULE + 2 * t + 1), (2**31 - 1) // BLOCK)
+    elif IS_VARLEN:
         b = 0
         tile = (2**31 - 1) // BLOCK
         before = 0  # tiles of the sequences in earlier steps
