@@ -36,7 +36,7 @@ KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"READY", "TILES", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE",
-                "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST"}
+                "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST", "COUNTER"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
 # The forward takes host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
@@ -190,7 +190,7 @@ def main(argv):
     c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
                                               COST_PACKED=True), 4, 1)
     print(json.dumps({"kernel": "schedule", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
-    c = compile_kernel(_tile_list_kernel, dict(BLOCK=128, LAST_FIRST=True, STEP=MAX_STEP), 4, 1)
+    c = compile_kernel(_tile_list_kernel, dict(BLOCK=128, LAST_FIRST=True, STEP=MAX_STEP, COUNTER=True), 4, 1)
     print(json.dumps({"kernel": "tile_list", "step": MAX_STEP, "shared": c.metadata.shared}), flush=True)
 
 

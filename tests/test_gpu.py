@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.ops import hopper
 from flashtile.ops.common import pdl_supported
 from flashtile.ops.hopper import hopper_unsupported
 from test_attention import MASKS, run_case
@@ -156,12 +157,17 @@ HOPPER_VARLEN = {"mixed": ([700, 0, 129, 1, 2048, 65], [700, 0, 129, 1, 2048, 65
                  "no_keys": ([77, 128], [0, 300])}
 
 
+@pytest.mark.parametrize("programs", ["per_sm", 3])
 @pytest.mark.parametrize("lengths", list(HOPPER_VARLEN))
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
-def test_hopper_varlen(device, lengths, mask):
+def test_hopper_varlen(device, monkeypatch, lengths, mask, programs):
     """Varlen batches through the Gluon kernels (descriptors over the packed tensors, Note [varlen descriptors];
-    the tile list of ops/common.varlen_grid) against the per-sequence fp64 oracle, on NaN-guarded inputs."""
+    the tile list of ops/common.varlen_grid) against the per-sequence fp64 oracle, on NaN-guarded inputs. The
+    persistent forward (Note [persistent varlen forward]) also runs on 3 programs, each of which then works through
+    items of every length, its K/V ring and Q buffers running on from one to the next."""
     _need_hopper(device)
+    if programs != "per_sm":
+        monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
     causal, window = MASKS[mask]
     lens_q, lens_k = HOPPER_VARLEN[lengths]
     run_varlen(device, lens_q, lens_k, 8, 2, 128, torch.bfloat16, causal, window)

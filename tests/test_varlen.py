@@ -297,7 +297,7 @@ def test_tile_list(device, monkeypatch, many, last_first):
     z past a limit (7 here, 65535 on a GPU): every head reads the whole list. tile_coords and the written-out list
     (varlen_grid, for the Gluon kernels) agree."""
     from flashtile.kernels.seqlen import MAX_STEP
-    from flashtile.ops.common import schedule, schedule_step, tile_grid, varlen_grid
+    from flashtile.ops.common import schedule, schedule_step, tile_grid, varlen_counter, varlen_grid
     batch, block, heads = MAX_STEP + 77 if many else 20, 4, 2
     lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
     lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
@@ -333,6 +333,13 @@ def test_tile_list(device, monkeypatch, many, last_first):
     monkeypatch.undo()
     assert wgrid == grid
     assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
+    # With the persistent forward's work counter: two more rows, zeroed, one of them 16 bytes aligned.
+    monkeypatch.setattr(torch, "empty", poisoned)
+    counted, _ = varlen_grid(sched, total, block, last_first, heads, limit, counter=True)
+    monkeypatch.undo()
+    assert [tuple(row) for row in counted.tolist()] == [tuple(row) for row in written.tolist()] + [(0, 0)] * 2
+    counter = varlen_counter(counted)
+    assert counter.data_ptr() % 16 == 0 and counter.tolist() == [0, 0]
     # tile_coords reading that list (LISTED, the dQ kernel's way) finds what its walk of the schedule finds.
     listed = torch.full_like(out, -1)
     _tile_coords_probe[grid](written, listed, batch, BLOCK=block, LAST_FIRST=last_first, STEP=1, LISTED=True)

@@ -219,8 +219,9 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
     if IS_VARLEN:
         hk = gl.program_id(0)
-        b, pid_n, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                                              seqlen_q, seqlen_k)
+        position = gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)
+        b, pid_n, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, position, CU_SEQLENS_Q,
+                                                                              CU_SEQLENS_K, seqlen_q, seqlen_k)
     else:
         pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
         hk = gl.program_id(1)

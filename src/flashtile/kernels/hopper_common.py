@@ -59,19 +59,20 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
-    """A varlen program's (sequence, tile) from the written-out tile list (ops/common.varlen_grid), whether it has one,
-    and its sequence's query and key rows: (b, tile, valid, q_row0, seqlen_q, k_row0, seqlen_k), the rows where the
-    sequence starts in the packed tensors, 32-bit as TMA coordinates are (a packed tensor's row count is far below
-    2^31; element offsets are widened where they are formed). Entries past the list are (-1, -1); such a program
-    becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none), so it reads a tile at
-    row 0 and writes nothing. A negative tile would put negative rows in its TMA stores' coordinates, which the
-    H200 faults on as an illegal instruction although the whole box lies outside the descriptor
-    (compute-sanitizer, session 8).
+def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
+    """The (sequence, tile) at position `index` of the written-out tile list (ops/common.varlen_grid), whether the
+    list has one there, and its sequence's query and key rows: (b, tile, valid, q_row0, seqlen_q, k_row0,
+    seqlen_k), the rows where the sequence starts in the packed tensors, 32-bit as TMA coordinates are (a packed
+    tensor's row count is far below 2^31; element offsets are widened where they are formed). Entries past the list
+    are (-1, -1); such an entry becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none),
+    so a program given one reads a tile at row 0 and writes nothing. A negative tile would put negative rows in its
+    TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies outside
+    the descriptor (compute-sanitizer, session 8).
 
-    The list runs along the grid's y axis, folded into z when it is longer than y's 65535 programs (ops/common.py:
-    tile_grid); x is the head (Note [varlen grid order] in hopper_fwd.py)."""
-    entry = TILES + 2 * (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1))
+    `index`: for the dK/dV kernel, its position on the grid's y axis, folded into z when the list is longer than
+    y's 65535 programs (ops/common.py: tile_grid), with x the head (Note [varlen grid order] in hopper_fwd.py); for
+    the persistent forward, its work item divided by the heads (Note [persistent varlen forward])."""
+    entry = TILES + 2 * index
     seq = gl.load(entry)
     b = gl.maximum(seq, 0)
     tile = gl.maximum(gl.load(entry + 1), 0)

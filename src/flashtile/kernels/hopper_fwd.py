@@ -1,6 +1,7 @@
 """The Hopper forward: a warp-specialised Gluon kernel for sm_90 (H100/H200), FlashAttention-3's structure.
 
-One program computes 2 x BLOCK_M query rows of one (sequence, head):
+One program computes 2 x BLOCK_M query rows of one (sequence, head); a varlen program is persistent and computes
+one such item after another (Note [persistent varlen forward]):
 
   loader partition (1 warp)            TMA: both Q tiles once, then K_j and V_j into a ring of STAGES slots; it
                                        waits on a slot's `empty` barrier before refilling it
@@ -38,21 +39,131 @@ from .masking import LN2, apply_mask, kv_block_range
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-            q_row0, k_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            IS_VARLEN: gl.constexpr):
-    """q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense batch)."""
+def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, v_ready, v_empty, b, h, hk, m_start,
+               lo, n_blocks, q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               KS: gl.constexpr, VS: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The loads of one work item: its two Q tiles into Q buffers q0 and q0 + 1, then its key blocks into the K/V
+    ring (K in KS slots, V in VS; one ring of KS slots holding both for a dense batch) from ring position it0 on.
+    q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense batch)."""
     for c in gl.static_range(2):
-        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, q_bars.index(c), q_s.index(c), IS_VARLEN)
+        mbarrier.expect(q_bars.index(q0 + c), q_desc.block_type.nbytes)
+        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, q_bars.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
-        slot = j % STAGES
-        # A fresh barrier counts as having completed the phase before its first: the first pass waits for nothing.
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, b, k_row0 + lo + j * BLOCK_N, hk, bar, k_s.index(slot), IS_VARLEN)
-        tma_load(v_desc, b, k_row0 + lo + j * BLOCK_N, hk, bar, v_s.index(slot), IS_VARLEN)
+        it = it0 + j
+        slot = it % KS
+        mbarrier.wait(empty.index(slot), ((it // KS) & 1) ^ 1)
+        row = k_row0 + lo + j * BLOCK_N
+        if IS_VARLEN:  # K and V in rings of their own (Note [persistent varlen forward])
+            mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, b, row, hk, ready.index(slot), k_s.index(slot), IS_VARLEN)
+            vslot = it % VS
+            mbarrier.wait(v_empty.index(vslot), ((it // VS) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(vslot), v_desc.block_type.nbytes)
+            tma_load(v_desc, b, row, hk, v_ready.index(vslot), v_s.index(vslot), IS_VARLEN)
+        else:
+            bar = ready.index(slot)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, b, row, hk, bar, k_s.index(slot), IS_VARLEN)
+            tma_load(v_desc, b, row, hk, bar, v_s.index(slot), IS_VARLEN)
+
+
+@gluon.jit
+def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Work item w of a varlen batch: the items of one sequence are its heads x tiles, tiles fastest, and they
+    occupy items [first * heads, (first + n) * heads) when the tile list holds the sequence's n tiles at entries
+    [first, first + n) (last tile first). Entry w // heads lies in that run, so it names the sequence; where in
+    the run it lies gives `first`. Returns (valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo,
+    full_hi, n_blocks); valid is false past the list (its bound is the host's, its length the device's)."""
+    b, pid_m, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, w // heads, CU_SEQLENS_Q,
+                                                                          CU_SEQLENS_K, total_q, total_k)
+    n_tiles = gl.maximum((seqlen_q + 2 * BLOCK_M - 1) // (2 * BLOCK_M), 1)  # an entry past the list has no rows
+    local = w - (w // heads - (n_tiles - 1 - pid_m)) * heads
+    h = local // n_tiles
+    m_start = (n_tiles - 1 - local % n_tiles) * 2 * BLOCK_M
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
+                                              MASK_LEFT, MASK_RIGHT)
+    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    return valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo, full_hi, n_blocks
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """A dense program's loader: its one item."""
+    _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, ready, empty, b, h, hk, m_start, lo,
+               n_blocks, 0, 0, 0, 0, BLOCK_M, BLOCK_N, STAGES, STAGES, False)
+
+
+@gluon.jit
+def _publish(slot, valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks):
+    """The loader's description of an item, for the consumers (_read_info), into one of the two info slots: ten
+    int32 fields of a 16-wide row. The thread barrier orders the warp's shared writes before its arrival on the Q
+    barrier, which the consumers wait on before reading."""
+    layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
+    i = gl.arange(0, 16, layout=layout)
+    v = gl.where(i == 0, valid.to(gl.int32), 0)
+    v = gl.where(i == 1, h, v)
+    v = gl.where(i == 2, m_start, v)
+    v = gl.where(i == 3, q_row0, v)
+    v = gl.where(i == 4, sq, v)
+    v = gl.where(i == 5, sk, v)
+    v = gl.where(i == 6, lo, v)
+    v = gl.where(i == 7, full_lo, v)
+    v = gl.where(i == 8, full_hi, v)
+    v = gl.where(i == 9, n_blocks, v)
+    slot.store(v)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _field(v, i, k: gl.constexpr):
+    return gl.sum(gl.where(i == k, v, 0), 0)  # every thread holds the whole row: no shuffle
+
+
+@gluon.jit
+def _read_info(slot):
+    """_publish's fields: (valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks)."""
+    layout: gl.constexpr = gl.BlockedLayout([16], [32], [4], [0])
+    v = slot.load(layout)
+    i = gl.arange(0, 16, layout=layout)
+    return (_field(v, i, 0) != 0, _field(v, i, 1), _field(v, i, 2), _field(v, i, 3), _field(v, i, 4),
+            _field(v, i, 5), _field(v, i, 6), _field(v, i, 7), _field(v, i, 8), _field(v, i, 9))
+
+
+@gluon.jit
+def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready, v_empty,
+                   COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
+                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A persistent varlen program's loader (Note [persistent varlen forward]): it takes the next item from the
+    work counter, describes it to the consumers in info slot r % 2 and loads its Q into Q set r % 2 (its r-th
+    item), once both consumers have handed that set back; the K/V rings run on from item to item. The first item
+    past the list is published invalid, which ends the program."""
+    it0 = 0
+    r = 0
+    done = False
+    while not done:
+        w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
+        valid, b, h, m_start, q_row0, sq, k_row0, sk, lo, full_lo, full_hi, n_blocks = _varlen_item(
+            gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr,
+            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        valid = valid & (w < n_items)
+        qset = r % 2
+        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
+        mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
+        mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
+        _publish(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks)
+        if valid:
+            _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, v_ready, v_empty, b, h,
+                       h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, it0, 2 * qset, BLOCK_M, BLOCK_N,
+                       KS, VS, True)
+            it0 += n_blocks
+        else:  # no Q to load: a plain arrival completes the consumers' wait
+            mbarrier.arrive(q_bars.index(2 * qset), count=1)
+            mbarrier.arrive(q_bars.index(2 * qset + 1), count=1)
+            done = True
+        r += 1
 
 
 @gluon.jit
@@ -73,10 +184,14 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo,
-              full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om,
-              stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, ready, empty, v_ready, v_empty, b, h,
+                  m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                  stride_om, stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
+    A varlen (persistent) consumer leaves its O store in flight, and hands the previous item's Q buffer back
+    (free_prev) once its first S of this item is issued."""
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -85,36 +200,53 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     diag = seqlen_k - seqlen_q
     m0 = m_start + c * BLOCK_M
-    q_tile = q_s.index(c).reshape([BLOCK_M, HEAD_DIM])
+    q_tile = q_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    mbarrier.wait(q_bars.index(c), 0)
     if n_blocks > 0:
-        mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q_tile, k_s.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+        first = it0 % KS
+        mbarrier.wait(ready.index(first), (it0 // KS) & 1)
+        s = warpgroup_mma(q_tile, k_s.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
+        if IS_VARLEN:
+            _free_previous(free_prev, q_free, qi ^ 2)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if IS_VARLEN:
+            mbarrier.arrive(empty.index(first), count=1)  # K_0 is read (its own ring)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
                                       wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
         for j in range(1, n_blocks):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
+            it = it0 + j
+            slot = it % KS
+            prev = (it - 1) % KS
             n0 = lo + j * BLOCK_N
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            mbarrier.wait(ready.index(slot), (it // KS) & 1)
+            if IS_VARLEN:
+                prev = (it - 1) % VS
+                mbarrier.wait(v_ready.index(prev), ((it - 1) // VS) & 1)
             s = warpgroup_mma(q_tile, k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                 v_s.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            if IS_VARLEN:
+                mbarrier.arrive(empty.index(slot), count=1)  # K_j is read
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k,
                                           diag, wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
+            if IS_VARLEN:
+                mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is read
+            else:
+                mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        last = (n_blocks - 1) % STAGES
+        if IS_VARLEN:
+            last = (it0 + n_blocks - 1) % VS
+            mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // VS) & 1)
+        else:
+            last = (it0 + n_blocks - 1) % KS
         v_last = v_s.index(last).reshape([BLOCK_N, HEAD_DIM])
         if IS_VARLEN:
             keys_left = seqlen_k - (lo + (n_blocks - 1) * BLOCK_N)
@@ -123,7 +255,12 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready,
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             v_last, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(last), count=1)
+        if IS_VARLEN:
+            mbarrier.arrive(v_empty.index(last), count=1)
+        else:
+            mbarrier.arrive(empty.index(last), count=1)
+    elif IS_VARLEN:
+        _free_previous(free_prev, q_free, qi ^ 2)
     # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
@@ -136,31 +273,105 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready,
         if IS_VARLEN and m0 + BLOCK_M > seqlen_q:  # a box would also write the next sequence's rows
             store_rows(O_PTR, q_tile, q_row0 + m0, seqlen_q - m0, h, stride_om, stride_oh, BLOCK_M, HEAD_DIM)
         else:
-            tma_store(o_desc, b, q_row0 + m0, h, q_s.index(c), IS_VARLEN)
-            tma.store_wait(pendings=0)
+            tma_store(o_desc, b, q_row0 + m0, h, q_s.index(qi), IS_VARLEN)
+            if not IS_VARLEN:
+                tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _free_previous(free_prev, q_free, prev):
+    """Once the previous item's O store has read its Q buffer (the other set's), hand that buffer back."""
+    if free_prev:
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_free.index(prev), count=1)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo,
+              full_lo, full_hi, n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr):
+    """A dense program's consumer c: its one item."""
+    mbarrier.wait(q_bars.index(c), 0)
+    _consume_item(c, o_desc, None, LSE, q_s, k_s, v_s, None, ready, empty, ready, empty, b, h, m_start, lo, full_lo,
+                  full_hi, n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, 0, 0, 0, c, False, HEAD_DIM,
+                  BLOCK_M, BLOCK_N, STAGES, STAGES, MASK_LEFT, MASK_RIGHT, False)
+
+
+@gluon.jit
+def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty,
+                     v_ready, v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
+                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
+    in Q set and info slot r % 2), until one is invalid."""
+    it0 = 0
+    r = 0
+    done = False
+    while not done:
+        qset = r % 2
+        mbarrier.wait(q_bars.index(2 * qset + c), (r // 2) & 1)
+        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks = _read_info(info.index(qset))
+        if valid:
+            lse_off = h.to(gl.int64) * stride_lh + q_row0
+            _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, ready, empty, v_ready, v_empty, 0, h,
+                          m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, qk_scale,
+                          stride_om, stride_oh, it0, 2 * qset + c, r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, KS, VS,
+                          MASK_LEFT, MASK_RIGHT, True)
+            it0 += n_blocks
+        else:
+            done = True
+        r += 1
+    tma.store_wait(pendings=0)  # the last O store has read its buffer before the program's shared memory goes
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
-                       stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, stride_om, stride_oh,
+def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
+                       stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, stride_om, stride_oh, n_items, heads,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        LOADER_REGS: gl.constexpr):
     """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
-    2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides and the TILES and CU_SEQLENS unused; over the
-    packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is (H, the tile
-    list's bound), folded into z past 65535 entries (ops/common.tile_grid): each program reads its (sequence,
-    tile) from TILES (ops/common.varlen_grid: longest sequences first, and within one the last tile first). O_PTR is
-    O's tensor, for the last tile of a varlen sequence.
+    2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides, TILES, CU_SEQLENS, COUNTER, n_items and heads
+    unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is
+    one program per SM (at most n_items), persistent over the n_items = heads x tile-list entries work items
+    (Note [persistent varlen forward]): TILES holds the (sequence, tile) list (ops/common.varlen_grid: longest
+    sequences first, and within one the last tile first), COUNTER the items handed out so far (0 at launch: the
+    list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence.
 
-    Note [varlen grid order]: in a varlen grid the heads are the fastest axis, so the programs in flight are every
-    head of a few tiles. A row of a packed (total, H, D) tensor holds all its heads (H x 256 bytes at d128), so they
-    read whole rows together; with the tile list fastest (a dense grid's order) they were the tiles of one head of
-    many sequences, each reading 256 bytes of every row. On the 16-sequence mix (H200, bf16, d128, H=16) heads first
-    made dK/dV 4% faster (7% causal) and the causal forward 4% (PERF.md, v11); the Triton kernels' varlen grids
-    take the same order (seqlen.tile_coords). The dense grids keep theirs (heads first is not measured there).
+    Note [persistent varlen forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
+    inside the kernel (globaltimer and clock64 at each phase, H200, PERF.md v14): its start 0.4 µs (0.9 with the
+    varlen lookups), the Q load 1.2 µs, the first S and its softmax with no P V to hide them 1.3 µs, the last P V,
+    the O store 1.1 µs, and 0.6-0.7 µs between one program's end and the next one's start on the SM: some 7,000
+    cycles, 2.5 key blocks. Dense 4k programs see 32 key blocks (16 causal), the 16-sequence mix's 14 (8 causal).
+    So a varlen program works through items, and each item's fixed costs land under another's key blocks:
+    - the loader takes the next item from COUNTER (an atomic add), in the list's order, when it has issued the
+      current item's last K/V load: the greedy order the hardware gives a grid's programs, which balances causal
+      items of unequal cost (a static round-robin over programs made the causal mix 10% slower, PERF.md v13);
+    - an item is (sequence, head, tile), the tiles fastest within a sequence, so that the items in flight share a
+      few heads' K/V in L2 (heads fastest, Note [varlen grid order], was 6% slower on 4k sequences here);
+    - Q has two sets of buffers, item r in set r % 2, so the next item's Q loads under the current one's key
+      blocks. The second set takes one K slot: K and V have rings of their own, STAGES - 1 and STAGES slots, and a
+      consumer hands K_j back as soon as S_j is done, V_j after P_j V_j (one joint ring of two slots starved the
+      in-warpgroup overlap: 17% slower, PERF.md S7-0);
+    - the loader describes each item to the consumers in shared memory (_publish: `info`, a slot per Q set), so
+      they never wait on a global load between items;
+    - a consumer stages O in its item's Q buffer and leaves the TMA store in flight; once the next item's first S
+      is issued, it waits for the store to have read the buffer and hands the buffer back (`q_free`), for the
+      item after next.
+    The first item past the list (or past n_items) is published invalid and ends the program. Measured against
+    the one-program-per-tile grid (same results bit for bit): the mix's forward 525-545 -> 487-498 µs, causal
+    320-324 -> 295-298 (-8%); 16 sequences of 1k -10% (causal -9%); 4 of 4k -6% (causal -2%).
+
+    Note [varlen grid order]: in the varlen dK/dV grid the heads are the fastest axis, so the programs in flight
+    are every head of a few tiles. A row of a packed (total, H, D) tensor holds all its heads (H x 256 bytes at
+    d128), so they read whole rows together; with the tile list fastest (a dense grid's order) they were the tiles
+    of one head of many sequences, each reading 256 bytes of every row. On the 16-sequence mix (H200, bf16, d128,
+    H=16) heads first made dK/dV 4% faster (7% causal) and the one-program-per-tile forward 4% (PERF.md, v11); the
+    Triton kernels' varlen grids take the same order (seqlen.tile_coords). The dense grids keep theirs (heads
+    first is not measured there), and the persistent forward its own.
 
     Note [varlen descriptors]: a box over a packed tensor does not end where the sequence does, so the last tile of
     a sequence reads (and would write) the next sequence's rows. Reading them is harmless for Q and K: a query row
@@ -174,36 +385,59 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     16-sequence mix 4% faster forward (9% causal) and 3% forward+backward (7% causal), with bitwise the same results
     (PERF.md, v10)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
-    if IS_VARLEN:
-        h = gl.program_id(0)  # Note [varlen grid order]
-        b, pid_m, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                                                                              seqlen_q, seqlen_k)
-    else:
+    if not IS_VARLEN:
         # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         h = gl.program_id(1)
         b = gl.program_id(2)
-        q_row0 = 0
-        k_row0 = 0
-    hk = h // GROUP
-    m_start = pid_m * 2 * BLOCK_M
-    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
-                                              MASK_LEFT, MASK_RIGHT)
-    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+        m_start = pid_m * 2 * BLOCK_M
+        lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
+                                                  MASK_LEFT, MASK_RIGHT)
+        n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+        lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
     if IS_VARLEN:
-        n_blocks = gl.where(valid, n_blocks, 0)
-    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_row0
-    q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-    k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    q_bars, ready, empty = ring_barriers(STAGES)
-    gl.warp_specialize([
-        (_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
-                     full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om, stride_oh,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo,
-                     full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om, stride_oh,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_loader, (Q, K, V, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-                   q_row0, k_row0, BLOCK_M, BLOCK_N, STAGES, IS_VARLEN)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        KS: gl.constexpr = STAGES - 1  # the second Q set takes one K slot's shared memory
+        VS: gl.constexpr = STAGES
+        k_s = tile_buffers(K, KS, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        v_s = tile_buffers(V, VS, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        v_ready = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(VS):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        # Two sets of Q buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
+        q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
+        q_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
+        info = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        held, ready, empty = ring_barriers(KS)  # its fence covers the barriers above too; `held` goes unused
+        gl.warp_specialize([
+            (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready,
+                                v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, KS, VS, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready,
+                                v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, KS, VS, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_loader, (Q, K, V, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready, v_empty, COUNTER,
+                              TILES,
+                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
+                              BLOCK_N, KS, VS, GROUP, MASK_LEFT, MASK_RIGHT)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
+        q_bars, ready, empty = ring_barriers(STAGES)
+        gl.warp_specialize([
+            (_consumer, (0, O, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
+                         n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (1, O, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
+                         n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         MASK_LEFT, MASK_RIGHT)),
+            (_loader, (Q, K, V, q_s, k_s, v_s, q_bars, ready, empty, b, h, h // GROUP, m_start, lo, n_blocks,
+                       BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

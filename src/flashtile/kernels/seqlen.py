@@ -214,12 +214,12 @@ def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, b
 
 @triton.jit
 def _tile_list_kernel(SCHEDULE, TILES, batch, entries, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr,
-                      STEP: tl.constexpr):
+                      STEP: tl.constexpr, COUNTER: tl.constexpr):
     """The tile list of Note [varlen tile list] written out, one (sequence, tile) pair per entry, for kernels that
     read their coordinates instead of walking SCHEDULE (the Gluon Hopper kernels: their per-program code has no
     room for tile_coords' vector prefix sum). Program p < batch writes the tiles of the p-th sequence in SCHEDULE,
     in tile_coords' order; program `batch` writes (-1, -1) into the rest of the `entries` entries of TILES, which
-    marks them as past the list."""
+    marks them as past the list, and with COUNTER zeroes the two rows after them (ops/common.varlen_counter)."""
     p = tl.program_id(0)
     before = 0  # tiles of the sequences before p in SCHEDULE (all of them for the last program)
     for first in range(0, batch, STEP):
@@ -242,3 +242,5 @@ def _tile_list_kernel(SCHEDULE, TILES, batch, entries, BLOCK: tl.constexpr, LAST
             e = first + tl.arange(0, 2 * PAD) // 2  # each entry's two int32s, side by side
             offs = 2 * first + tl.arange(0, 2 * PAD)
             tl.store(TILES + offs, tl.full([2 * PAD], -1, tl.int32), mask=e < entries)
+        if COUNTER:
+            tl.store(TILES + 2 * entries + tl.arange(0, 4), tl.zeros([4], tl.int32))

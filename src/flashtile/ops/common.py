@@ -93,6 +93,16 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device, read once per device: a persistent grid's size."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched with programmatic dependent launch (sm_90 and later, not under
     the interpreter, not switched off with FLASHTILE_PDL=0)."""
@@ -203,20 +213,29 @@ def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varle
 
 
 def varlen_grid(order: torch.Tensor, total: int, block: int, last_first: bool, heads: int,
-                limit: int = MAX_GRID_Y) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                limit: int = MAX_GRID_Y, counter: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """`schedule`'s order written out as a tile list, (entries, 2) int32 on the device, and the grid that reads it
     (tile_grid's): one (sequence, tile) entry per tile of `block` rows, in tile_coords' order, then (-1, -1) up to
     the grid's Y * Z entries (kernels/seqlen.py: _tile_list_kernel). For kernels that read their tile instead of
-    walking the schedule (the Gluon Hopper kernels). One small launch through the launch cache, no host
-    synchronisation."""
+    walking the schedule (the Gluon Hopper kernels). With `counter`, two more rows, zeroed: the persistent forward's
+    work counter (Note [persistent varlen forward] in kernels/hopper_fwd.py) is the one of them 16 bytes aligned,
+    varlen_counter's. One small launch through the launch cache, no host synchronisation."""
     batch = order.shape[1]
     grid = tile_grid(block, 0, total, batch, heads, True, limit)
     entries = grid[1] * grid[2]
-    tiles = torch.empty((entries, 2), dtype=torch.int32, device=order.device)
-    key = (signature(order), total, block, last_first, limit)
+    tiles = torch.empty((entries + 2 * counter, 2), dtype=torch.int32, device=order.device)
+    key = (signature(order), total, block, last_first, limit, counter)
     launch_fixed(_tile_list_kernel, key, (batch + 1, 1, 1), (order, tiles), (batch, entries),
-                 dict(BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True)), num_warps=4)
+                 dict(BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True), COUNTER=counter),
+                 num_warps=4)
     return tiles, grid
+
+
+def varlen_counter(tiles: torch.Tensor) -> torch.Tensor:
+    """The work counter of a tile list written with `counter` (varlen_grid): of its two zeroed rows, the one at an
+    even index, so 16 bytes aligned as every pointer argument of a cached launch is specialised."""
+    entries = tiles.shape[0] - 2
+    return tiles[entries + entries % 2]
 
 
 @functools.lru_cache(maxsize=64)  # a handful of page sizes per process; every paged or dense forward asks

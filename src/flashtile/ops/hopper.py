@@ -30,7 +30,7 @@ import torch
 from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
-from .common import capability, tma_strides, varlen_grid
+from .common import capability, sm_count, tma_strides, varlen_counter, varlen_grid
 from .launch import launch_fixed, signature
 
 try:
@@ -124,15 +124,23 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     # specialisation derive from (out and lse are fresh allocations whose layout q's shape fixes).
     key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
     descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m))
+    if cu_seqlens_q is not None:
+        programs = sm_count(q.device)
+        key += (programs,)
     if cu_seqlens_q is None:
         batch, seqlen_q = q.shape[:2]
         grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
-        dynamic = (*descs, None, lse, None, None, None, qk_scale)
-        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0)
+        dynamic = (*descs, None, lse, None, None, None, None, qk_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0, 0, 0)
     else:
-        tiles, grid = varlen_grid(order, q.shape[0], 2 * cfg.block_m, True, nheads)
-        dynamic = (*descs, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale)
-        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2])
+        # Persistent (Note [persistent varlen forward] in kernels/hopper_fwd.py): one program per SM over the
+        # (tile list entry, head) items; the list's writer also zeroes the work counter.
+        tiles, list_grid = varlen_grid(order, q.shape[0], 2 * cfg.block_m, True, nheads, counter=True)
+        n_items = list_grid[1] * list_grid[2] * nheads
+        grid = (min(n_items, programs), 1, 1)
+        dynamic = (*descs, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, varlen_counter(tiles), qk_scale)
+        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2], n_items,
+                  nheads)
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
