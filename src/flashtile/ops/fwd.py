@@ -7,7 +7,9 @@ in kernels/seqlen.py), with the heads fastest because a packed row holds every h
 kernels/hopper_fwd.py). Tiles start longest first: the last query tiles of a sequence first (under a causal mask
 they do the most work), and in a varlen batch the sequences with the most keys first (Note [longest sequences
 first]). That is list scheduling with the longest tiles first, which keeps every SM busy to the end of a mixed
-batch without a host synchronisation and without a persistent kernel's queue.
+batch without a host synchronisation and without a persistent kernel's queue. The Hopper fast path's varlen
+forward is persistent: its programs take the same list's items, in order, from a work counter (Note [persistent
+varlen forward] in kernels/hopper_fwd.py).
 """
 
 from __future__ import annotations

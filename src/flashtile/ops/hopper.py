@@ -15,8 +15,9 @@ The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a 
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
 box, where each program finds its (sequence, tile) in a list written once per call (common.varlen_grid, in the order
-of Note [longest sequences first]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors]
-in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
+of Note [longest sequences first]; the forward's persistent programs take its items from a work counter, Note
+[persistent varlen forward]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors] in
+kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
 of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
 """
 
