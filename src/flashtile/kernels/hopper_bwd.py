@@ -244,7 +244,7 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
     q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
-    kv_bars, ready, empty = ring_barriers(STAGES)
+    kv_bars, ready, empty = ring_barriers(STAGES, 2)
     landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(landed, count=1)
     fence_async_shared()

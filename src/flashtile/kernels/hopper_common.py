@@ -12,18 +12,23 @@ from .seqlen import seq_lengths
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """(held, ready, empty): `held` completes once for each consumer's tiles that stay for the whole program (its Q
-    tile in the forward, its K and V in dK/dV); `ready[s]` when the loader's TMA has filled ring slot s;
-    `empty[s]` when both consumers have read it (count 2), which the loader waits for before refilling it."""
-    held = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
-        mbarrier.init(held.index(c), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival from each consumer
+def barrier_array(N: gl.constexpr, COUNT: gl.constexpr):
+    """N mbarriers, each of which completes a phase on COUNT arrivals (and the bytes a TMA arrival expects). Not
+    fenced: ring_barriers' fence covers every barrier initialised before it."""
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=COUNT)
+    return bars
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr, HELD: gl.constexpr):
+    """(held, ready, empty): `held[i]` completes once for a consumer's tiles that stay while they are used (its Q
+    tile in the forward, one per Q buffer; its K and V in dK/dV); `ready[s]` when the loader's TMA has filled ring
+    slot s; `empty[s]` when both consumers have read it (count 2), which the loader waits for before refilling it."""
+    held = barrier_array(HELD, 1)
+    ready = barrier_array(STAGES, 1)
+    empty = barrier_array(STAGES, 2)  # one arrival from each consumer
     fence_async_shared()  # the initialised barriers, before the TMA unit and the other partitions use them
     return held, ready, empty
 

@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (ring_barriers, store_rows, tile_buffers, tma_load, tma_store, varlen_program,
+from .hopper_common import (barrier_array, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, varlen_program,
                             zero_rows_from)
 from .masking import LN2, apply_mask, kv_block_range
 
@@ -221,12 +221,13 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
         for j in range(1, n_blocks):
             it = it0 + j
             slot = it % KS
-            prev = (it - 1) % KS
             n0 = lo + j * BLOCK_N
             mbarrier.wait(ready.index(slot), (it // KS) & 1)
-            if IS_VARLEN:
+            if IS_VARLEN:  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
                 prev = (it - 1) % VS
                 mbarrier.wait(v_ready.index(prev), ((it - 1) // VS) & 1)
+            else:
+                prev = (it - 1) % KS
             s = warpgroup_mma(q_tile, k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
@@ -400,20 +401,13 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         VS: gl.constexpr = STAGES
         k_s = tile_buffers(K, KS, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, VS, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        v_ready = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [VS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(VS):
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
+        v_ready = barrier_array(VS, 1)  # V's ring: ring_barriers' ready and empty are K's
+        v_empty = barrier_array(VS, 2)
         # Two sets of Q buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
         q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        q_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
-            mbarrier.init(q_bars.index(i), count=1)
-            mbarrier.init(q_free.index(i), count=1)
+        q_free = barrier_array(4, 1)
         info = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        held, ready, empty = ring_barriers(KS)  # its fence covers the barriers above too; `held` goes unused
+        q_bars, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
         gl.warp_specialize([
             (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready,
                                 v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M,
@@ -430,7 +424,7 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
         q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        q_bars, ready, empty = ring_barriers(STAGES)
+        q_bars, ready, empty = ring_barriers(STAGES, 2)
         gl.warp_specialize([
             (_consumer, (0, O, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
                          n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
