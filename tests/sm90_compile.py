@@ -39,9 +39,11 @@ I32_POINTERS = {"READY", "TILES", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "
                 "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST", "COUNTER"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
-# The forward takes host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
-# Note [host descriptors]): argument -> box rows.
-HOST_DESCS = {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"}
+# Kernels that take host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
+# Note [host descriptors]): the forward for Q, K, V, O, the dQ kernel for the K and V it streams. Kernel -> argument
+# -> box rows.
+HOST_DESCS = {"_attn_fwd_kernel": {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"},
+              "_bwd_dq_kernel": {"K": "BLOCK_N", "V": "BLOCK_N"}}
 OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
             "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
             "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
@@ -64,8 +66,9 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
         elif name in OPTIONAL and OPTIONAL[name] in fn.arg_names and not constexprs.get(OPTIONAL[name], False):
             signature[name] = "constexpr"
             consts[name] = None
-        elif name in HOST_DESCS and constexprs.get("DESC", 0) != 0 and (name != "O" or constexprs["DESC"] == 1):
-            rows, d = constexprs[HOST_DESCS[name]], constexprs["BLOCK_D"]
+        elif (name in HOST_DESCS.get(fn.__name__, ()) and constexprs.get("DESC", 0) != 0
+              and (name != "O" or constexprs["DESC"] == 1)):
+            rows, d = constexprs[HOST_DESCS[fn.__name__][name]], constexprs["BLOCK_D"]
             signature[name] = f"tensordesc<{dtype}[{'1,' if constexprs['DESC'] == 1 else ''}{rows},1,{d}]>"
         elif name.isupper():
             elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
@@ -83,13 +86,13 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype:
 # PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
 _DENSE = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
               MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-              DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=False)
+              DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=False, PUBLISH=True)
 FLAG_SETS = {
     "dense": _DENSE,
     "causal": dict(_DENSE, MASK_RIGHT=True),
     "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
                 MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
-                DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=True),
+                DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=True, PUBLISH=False),
     "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, DESC=0,
                   MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
                   DOT_PRECISION="tf32", STEP=MAX_STEP),

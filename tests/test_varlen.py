@@ -181,22 +181,26 @@ def test_seqused(device, mask):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_rows_past_seqused_k_are_never_used(device, causal):
-    """K/V rows past seqused_k[b] may hold anything, NaN included: the output is bitwise the same as with finite
-    values there (a tile that crosses the used length must not let them through, 0 * NaN being NaN)."""
+    """K/V rows past seqused_k[b] may hold anything, NaN included: the output and the gradients are bitwise the
+    same as with finite values there (a tile that crosses the used length must not let them through, 0 * NaN being
+    NaN; the dQ kernel's K/V boxes run over the packed tensors)."""
     g = torch.Generator().manual_seed(23)
     lens, used = [40, 15], [13, 15]
     cu = torch.tensor([0, 40, 55], dtype=torch.int32, device=device)
-    q, k, v = (torch.randn(55, 2, 32, generator=g).to(device, torch.float16) for _ in range(3))
+    q, k, v, dout = (torch.randn(55, 2, 32, generator=g).to(device, torch.float16) for _ in range(4))
     seqused = torch.tensor(used, dtype=torch.int32, device=device)
 
     def run(k, v):
-        return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=causal, seqused_k=seqused)
+        q_, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flashtile.flash_attn_varlen_func(q_, k, v, cu, cu, 40, 40, causal=causal, seqused_k=seqused)
+        return (out, *torch.autograd.grad(out, (q_, k, v), dout))
 
     expected = run(k, v)
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[used[0]:lens[0]] = float("nan")
     v_nan[used[0]:lens[0]] = float("nan")
-    assert torch.equal(run(k_nan, v_nan), expected)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), run(k_nan, v_nan), expected):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, from the poisoned sequence's own NaN arithmetic

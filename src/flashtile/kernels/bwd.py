@@ -17,7 +17,8 @@ grid's last programs with SMs idle. So on sm_90 the dK/dV kernel is launched wit
 its programs may start once every dQ program has started (each dQ program allows it first thing), and take the SMs
 the dQ grid's last wave leaves free. What dK/dV needs from dQ is delta. Each dQ program publishes its rows when it
 ends: a CTA barrier (every thread's delta stores are done), then one thread's release add of the row count to a
-per-(sequence, head) counter. A dK/dV program spins on an acquire load until its head's counter reaches the
+per-(sequence, head) counter (PUBLISH; not when the Gluon dK/dV kernel runs, which reads no counters: the release
+waits for the program's stores, ~1 µs per program). A dK/dV program spins on an acquire load until its head's counter reaches the
 sequence's query length, then reads delta. The dK/dV programs that start early are the first in launch order,
 whose (sequence, head)'s dQ programs ran in the first waves. No deadlock: the programs waited on have all started,
 so they run to completion.
@@ -43,9 +44,14 @@ are int64, as in the forward. Does not do dropout or paged K/V.
 
 Memory: each kernel holds two tiles for its whole loop (K and V in dK/dV, Q and dO in dQ; dQ reads O once more
 for delta) and streams two others.
-Held tiles are read once with pointer loads (seqlen.load_once) and the results written with pointer stores, so a
-program builds device descriptors only for the two tiles it streams. (Streaming those through host-built
-descriptors too, as the forward does, measured no faster and crashed ptxas on some configs: PERF.md.)
+Held tiles are read once with pointer loads (seqlen.load_once) and the results written with pointer stores. The dQ
+kernel streams K and V through host descriptors where the forward does (DESC: ops/fwd.py, Note [host
+descriptors]; a packed box that crosses the sequence's end reads the next sequence's rows, which the masked blocks
+zero). A device descriptor costs a global write and two proxy fences before the first load, and at the dQ tile's
+~1.2 µs per key block that fixed cost weighed: on the H200 the host descriptors made dQ 6-7% faster on the
+16-sequence mix and 9-12% at S=1k, even at 4k (PERF.md v15; session 3 had measured no gain, with other tiles). The
+dK/dV kernel builds its Q and dO descriptors per (sequence, head) on the device (with host descriptors they were no
+faster in session 3 and crashed ptxas at d128).
 """
 
 import triton
@@ -53,7 +59,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
-from .seqlen import load_once, row_desc, seq_info, store_once, tile_coords
+from .seqlen import DESC_PACKED, DESC_ROW, load_once, load_rows, row_desc, seq_info, store_once, tile_coords
 
 
 @triton.jit
@@ -174,16 +180,22 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, hi,
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, hi,
                   seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr,
                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k = k_desc.load([start_n, 0])
-        v = v_desc.load([start_n, 0])
+        k = load_rows(k_src, k_start, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
+        v = load_rows(v_src, k_start, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
+        if MASKED and DESC == DESC_PACKED:
+            # The next sequence's rows (or rows past seqused_k, which may hold anything): dS is 0 there, but
+            # 0 * inf is not, in dS K and in dP = dO Vᵀ.
+            row_ok = (start_n + offs_n < seqlen_k)[:, None]
+            k = tl.where(row_ok, k, 0.0)
+            v = tl.where(row_ok, v, 0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -219,6 +231,7 @@ def _bwd_dq_kernel(
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr, LISTED: tl.constexpr,
+    DESC: tl.constexpr, PUBLISH: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -232,24 +245,30 @@ def _bwd_dq_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
-    k_desc = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
-                      seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
-    v_desc = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                      seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    # The held tiles' loads first: a device descriptor below costs a global write and two proxy fences, which
+    # these loads' latency now covers.
     q = load_once(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh, m_start, seqlen_q, stride_qm,
                   BLOCK_M, HEAD_DIM, BLOCK_D)
     do = load_once(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh, m_start, seqlen_q, stride_dom,
                    BLOCK_M, HEAD_DIM, BLOCK_D)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    o = load_once(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh, m_start, seqlen_q, stride_om,
+                  BLOCK_M, HEAD_DIM, BLOCK_D)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
     lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok,
                    other=float("inf")) * LOG2E
+    if DESC == DESC_ROW:
+        k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
+                         seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+    else:
+        k_src = K
+        v_src = V
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
     # delta = rowsum(dO * O) of this tile's rows, used here and stored for the dK/dV kernel that runs next.
-    o = load_once(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh, m_start, seqlen_q, stride_om,
-                  BLOCK_M, HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, delta, mask=row_ok)
     slope2 = 0.0
@@ -260,19 +279,24 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, lo, full_lo, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, True,
+    # Each loop only where it has blocks: an empty pipelined loop still costs ~0.4 µs (its prologue's waits;
+    # H200 trace, PERF.md v15), and causal tiles have no masked front, unmasked ones often no masked tail.
+    if lo < full_lo:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, full_lo, seqlen_k, diag,
+                           wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
+                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_lo, full_hi, seqlen_k, diag,
+                       wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, False,
                        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_lo, full_hi, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, False,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, i, full_hi, hi, seqlen_k, diag, wl, wr,
-                       qk_scale, softcap2, slope2, BLOCK_N, True,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+    if full_hi < hi:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_hi, hi, seqlen_k, diag,
+                           wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
+                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     store_once(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh, m_start, seqlen_q, stride_dqm,
                dq * softmax_scale, HEAD_DIM)
-    # Every thread's delta stores happen before one thread's release add: dK/dV programs of this head waiting for
-    # these rows may read them.
-    tl.debug_barrier()
-    tl.atomic_add(READY + b * heads + h, tl.minimum(seqlen_q - m_start, BLOCK_M), sem="release",
-                  scope="gpu")
+    if PUBLISH:
+        # Every thread's delta stores happen before one thread's release add: dK/dV programs of this head waiting
+        # for these rows may read them.
+        tl.debug_barrier()
+        tl.atomic_add(READY + b * heads + h, tl.minimum(seqlen_q - m_start, BLOCK_M), sem="release",
+                      scope="gpu")

@@ -20,15 +20,19 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..config import tile_config
+from ..config import block_d, tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
+from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, pdl_supported, schedule,
-                     schedule_step, tile_grid, tma_ready, unpack, varlen_grid)
-from .fwd import logit_scales, lse_strides
+from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, host_desc,
+                     pdl_supported, schedule, schedule_step, tile_grid, tma_ready, unpack, varlen_grid)
+from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
 from .launch import Static, head_dims, launch, prepare_launch, signature
+
+
+_DQ_BLOCKS = descriptor_blocks({"K": "BLOCK_N", "V": "BLOCK_N"})
 
 
 def _grad_buffers(q, k, v, packing):
@@ -85,13 +89,22 @@ def attention_bwd(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         order_dkdv = order_dq = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads; `ready` counts them per
-    # (sequence, head) (Note [delta handoff] in kernels/bwd.py).
-    delta = torch.empty_like(lse)
-    ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
     # The Gluon dK/dV kernel (Note [hopper path] in ops/hopper.py) runs after the dQ kernel, without the handoff.
     gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
                                softcap=softcap, alibi=alibi_slopes is not None) is None
+    # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads; for the Triton dK/dV
+    # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py).
+    delta = torch.empty_like(lse)
+    ready = None if gluon else torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
+    # The dQ kernel streams K and V through host descriptors (ops/fwd.py, Note [host descriptors]), the dK/dV
+    # kernel through descriptors it builds per (sequence, head).
+    host = HOST_DESCRIPTORS and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
+    desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
+    if host:
+        block_n = tile_config("bwd_dq", head_dim, fp32).block_n
+        kd, vd = host_desc(k, block_n), host_desc(v, block_n)
+    else:
+        kd, vd = k, v
     # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
     pdl = not gluon and pdl_supported(q.device) and not torch.cuda.is_current_stream_capturing()
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
@@ -102,7 +115,8 @@ def attention_bwd(
                              seqused_q is not None, seqused_k is not None, q.dtype)
         constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
         if kernel == "bwd_dq":
-            constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed)
+            constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed, DESC=desc,
+                              PUBLISH=not gluon)
         else:
             constexprs.update(STEP=schedule_step(batch, varlen))
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
@@ -118,11 +132,11 @@ def attention_bwd(
     # Everything `static` reads (Note [launch cache]): the gradients and delta are fresh allocations whose layout
     # the inputs' shapes and the packing fix.
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
-           window_left, window_right, softcap > 0.0, packing, pdl, listed)
+           window_left, window_right, softcap > 0.0, packing, pdl, listed, gluon)
     prepare_launch(q)
     launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
-           (q, k, v, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
-           lambda: static("bwd_dq"))
+           (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
+           lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
     record("bwd_dq", TRITON)
     if gluon:
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
