@@ -81,7 +81,7 @@ def _captured_launch(monkeypatch, device, which, varlen):
     calls = []
     monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:
                         calls.append((kernel, grid, dynamic, static, constexprs)))
-    monkeypatch.setattr(hopper, "sm_count", lambda device: 7)  # fewer SMs than the persistent forward's items
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 7)  # fewer SMs than the persistent kernels' items
     lens_q, lens_k = [100, 0, 37], [130, 5, 37]
     pads = iter(range(8, 200, 8))
 
@@ -143,16 +143,15 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
         assert named[param] is (t[name] if varlen else None), param
         strides = (ints[f"stride_{prefix}m"], ints[f"stride_{prefix}h"])
         assert strides == (t[name].stride()[:2] if varlen else (0, 0)), param
-    if varlen and which == "fwd":
-        # Persistent: one program per SM (7 here) over the items, one per head and entry of the tile list (which
-        # covers every query tile), and the work counter in the list's two rows past its entries.
+    if varlen:
+        # Persistent: one program per SM (7 here) over the items, one per head (KV head for dK/dV) and entry of the
+        # tile list (which covers every query or key tile), and the work counter in the list's two rows past its
+        # entries.
         entries = named["TILES"].shape[0] - 2
-        assert (ints["n_items"], ints["heads"]) == (4 * entries, 4) and grid == (7, 1, 1)
+        heads = 2 if which == "bwd_dkdv" else 4
+        assert (ints["n_items"], ints["heads"]) == (heads * entries, heads) and grid == (7, 1, 1)
         counter = named["COUNTER"]
         assert counter.data_ptr() in {named["TILES"][entries + i].data_ptr() for i in (0, 1)}
-    elif varlen:
-        # One program per head and entry of the tile list (which covers every key tile), heads fastest.
-        assert grid == (2, named["TILES"].shape[0], 1)
     else:
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
         side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]

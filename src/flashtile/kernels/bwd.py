@@ -18,10 +18,10 @@ its programs may start once every dQ program has started (each dQ program allows
 the dQ grid's last wave leaves free. What dK/dV needs from dQ is delta. Each dQ program publishes its rows when it
 ends: a CTA barrier (every thread's delta stores are done), then one thread's release add of the row count to a
 per-(sequence, head) counter (PUBLISH; not when the Gluon dK/dV kernel runs, which reads no counters: the release
-waits for the program's stores, ~1 µs per program). A dK/dV program spins on an acquire load until its head's counter reaches the
-sequence's query length, then reads delta. The dK/dV programs that start early are the first in launch order,
-whose (sequence, head)'s dQ programs ran in the first waves. No deadlock: the programs waited on have all started,
-so they run to completion.
+waits for the program's stores, ~1 µs per program). A dK/dV program spins on an acquire load until its head's
+counter reaches the sequence's query length, then reads delta. The dK/dV programs that start early are the first
+in launch order, whose (sequence, head)'s dQ programs ran in the first waves. No deadlock: the programs waited on
+have all started, so they run to completion.
 Before exiting, each dK/dV program (one with no keys too) waits for the whole dQ grid (griddepcontrol.wait), so
 the kernel ends after dQ is written and work queued behind it sees both. Without PDL (the interpreter,
 FLASHTILE_PDL=0, GPUs before sm_90) the kernels run one after the other and the counters are complete before dK/dV

@@ -3,7 +3,8 @@ kernels/hopper_fwd.py applied to the backward's key-side pass. dQ and delta = ro
 dQ kernel (kernels/bwd.py), launched before this one on the same stream.
 
 One program computes dK and dV for 2 x BLOCK_N keys of one (sequence, KV head), over every query head of its GQA
-group (so nothing is reduced across programs, and the result is bitwise reproducible):
+group (so nothing is reduced across programs, and the result is bitwise reproducible); a varlen program is
+persistent and computes one such item after another (Note [persistent varlen dK/dV]):
 
   loader partition (1 warp)            TMA: both K and V tiles once, then Q_i and dO_i, head by head, into a ring
                                        of STAGES slots; it waits on a slot's `empty` barrier before refilling it
@@ -39,24 +40,29 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (ring_barriers, store_rows, tile_buffers, tma_load, tma_store, varlen_program,
-                            zero_rows_from)
+from .hopper_common import (barrier_array, info_slots, publish_item, read_item, ring_barriers, store_rows, tile_buffers,
+                            tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, q_block_range
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
-            lo, n_tiles, q_row0, k_row0, seqlen_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
+               lo, n_tiles, q_row0, k_row0, seqlen_q, it0, kv0, n_landed, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
+    """The loads of one work item: both consumers' K and V tiles into buffers kv0 and kv0 + 1, then Q_i and dO_i,
+    head by head, into the ring from position it0. q_row0 and k_row0: where the sequence's rows start in the packed
+    tensors (varlen; 0 for a dense batch). n_landed counts the tiles landed on `landed` before this item (its phase);
+    returns the count after it."""
     for c in gl.static_range(2):
-        bar = kv_bars.index(c)
+        bar = kv_bars.index(kv0 + c)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, k_s.index(c), IS_VARLEN)
-        tma_load(v_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, v_s.index(c), IS_VARLEN)
+        tma_load(k_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, k_s.index(kv0 + c), IS_VARLEN)
+        tma_load(v_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, v_s.index(kv0 + c), IS_VARLEN)
     for g in range(GROUP):
         h = hk * GROUP + g
         for t in range(n_tiles):
-            it = g * n_tiles + t
+            it = it0 + g * n_tiles + t
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
             m_start = lo + t * BLOCK_M
@@ -66,7 +72,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready
                 mbarrier.expect(landed, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma_load(q_desc, b, q_row0 + m_start, h, landed, q_s.index(slot), IS_VARLEN)
                 tma_load(do_desc, b, q_row0 + m_start, h, landed, do_s.index(slot), IS_VARLEN)
-                mbarrier.wait(landed, g & 1)
+                mbarrier.wait(landed, n_landed & 1)
+                n_landed += 1
                 zero_rows_from(q_s.index(slot).reshape([BLOCK_M, HEAD_DIM]), seqlen_q - m_start, BLOCK_M, HEAD_DIM, 1)
                 zero_rows_from(do_s.index(slot).reshape([BLOCK_M, HEAD_DIM]), seqlen_q - m_start, BLOCK_M, HEAD_DIM,
                                1)
@@ -76,6 +83,70 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready
                 mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma_load(q_desc, b, q_row0 + m_start, h, bar, q_s.index(slot), IS_VARLEN)
                 tma_load(do_desc, b, q_row0 + m_start, h, bar, do_s.index(slot), IS_VARLEN)
+    return n_landed
+
+
+@gluon.jit
+def _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """The query tiles of the program's 2 x BLOCK_N keys from n_start: (lo, n_front, n_mid, n_tiles). Tiles start
+    at lo (a multiple of BLOCK_M); the first n_front and those from n_mid on run masked. Those starting in
+    [full_lo, full_hi) see every key of the program; of them, the ones that end by seqlen_q need no mask at all, not
+    even on their LSE and delta rows."""
+    lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, 2 * BLOCK_N,
+                                             MASK_LEFT, MASK_RIGHT)
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    n_front = gl.minimum((full_lo - lo + BLOCK_M - 1) // BLOCK_M, n_tiles)
+    n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
+                                  n_front), n_tiles)
+    return lo, n_front, n_mid, n_tiles
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
+            lo, n_tiles, seqlen_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            STAGES: gl.constexpr, GROUP: gl.constexpr):
+    """A dense program's loader: its one item."""
+    _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
+               lo, n_tiles, 0, 0, seqlen_q, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, False)
+
+
+@gluon.jit
+def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, kv_free, info, ready, empty,
+                   landed, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A persistent varlen program's loader (Note [persistent varlen dK/dV]): it takes the next item from the work
+    counter, describes it to the consumers in info slot r % 2 and loads its K and V into set r % 2 (its r-th item),
+    once both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the
+    list is published invalid, which ends the program."""
+    it0 = 0
+    r = 0
+    n_landed = 0
+    done = False
+    while not done:
+        w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
+        valid, b, hk, pid_n, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
+                                                                CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k,
+                                                                2 * BLOCK_N, False, True)
+        valid = valid & (w < n_items)
+        n_start = pid_n * 2 * BLOCK_N
+        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        kset = r % 2
+        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
+        mbarrier.wait(kv_free.index(2 * kset), ((r // 2) & 1) ^ 1)
+        mbarrier.wait(kv_free.index(2 * kset + 1), ((r // 2) & 1) ^ 1)
+        publish_item(info.index(kset), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
+        if valid:
+            n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty,
+                                  landed, b, hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, 2 * kset, n_landed,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, True)
+            it0 += GROUP * n_tiles
+        else:  # no K/V to load: a plain arrival completes the consumers' wait
+            mbarrier.arrive(kv_bars.index(2 * kset), count=1)
+            mbarrier.arrive(kv_bars.index(2 * kset + 1), count=1)
+            done = True
+        r += 1
 
 
 @gluon.jit
@@ -127,19 +198,21 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready,
-              empty, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k,
-              wl, wr, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ready,
+                  empty, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k,
+                  wl, wr, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
+    ring position it0. A varlen (persistent) consumer leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    k_c = k_s.index(c).reshape([BLOCK_N, HEAD_DIM])
-    v_c = v_s.index(c).reshape([BLOCK_N, HEAD_DIM])
+    k_c = k_s.index(kv).reshape([BLOCK_N, HEAD_DIM])
+    v_c = v_s.index(kv).reshape([BLOCK_N, HEAD_DIM])
     key0 = n_start + c * BLOCK_N
     keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # one value per query (Sᵀ's columns)
@@ -148,11 +221,10 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     kr = keys - (seqlen_k - seqlen_q) - wr  # the first query row that sees each key (MASK_RIGHT)
     kl = keys - (seqlen_k - seqlen_q) + wl  # the last (MASK_LEFT)
-    mbarrier.wait(kv_bars.index(c), 0)
     lse_h = LSE + lse_off
     delta_h = DELTA + lse_off
     for g in range(GROUP):
-        base = g * n_tiles
+        base = it0 + g * n_tiles
         if MASK_LEFT:
             # A sliding window: masked tiles at both ends. They run in their own loop, so the mask's registers and
             # instructions stay out of the main one. Pass 0: masked front tiles, then the unmasked middle; pass 1:
@@ -188,7 +260,7 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
                                BLOCK_M, STAGES, True, False, False)
         lse_h += stride_lh
         delta_h += stride_lh
-    if key0 < seqlen_k:  # else no key of this consumer is in the sequence (or the program is past the list)
+    if key0 < seqlen_k:  # else no key of this consumer is in the sequence
         # K and V are no longer read: this consumer's buffers stage its dK and dV for the stores.
         k_c.store((dk * softmax_scale).to(dtype))
         v_c.store(dv.to(dtype))
@@ -197,66 +269,126 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
             store_rows(DK_PTR, k_c, k_row0 + key0, seqlen_k - key0, hk, stride_dkm, stride_dkh, BLOCK_N, HEAD_DIM)
             store_rows(DV_PTR, v_c, k_row0 + key0, seqlen_k - key0, hk, stride_dvm, stride_dvh, BLOCK_N, HEAD_DIM)
         else:
-            tma_store(dk_desc, b, k_row0 + key0, hk, k_s.index(c), IS_VARLEN)
-            tma_store(dv_desc, b, k_row0 + key0, hk, v_s.index(c), IS_VARLEN)
+            tma_store(dk_desc, b, k_row0 + key0, hk, k_s.index(kv), IS_VARLEN)
+            tma_store(dv_desc, b, k_row0 + key0, hk, v_s.index(kv), IS_VARLEN)
+            if not IS_VARLEN:
+                tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
+              n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+              softmax_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A dense program's consumer c: its one item."""
+    mbarrier.wait(kv_bars.index(c), 0)
+    _consume_item(c, c, dk_desc, dv_desc, None, None, LSE, DELTA, k_s, v_s, q_s, do_s, ready, empty, b, hk, n_start,
+                  lo, n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                  softmax_scale, 0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT,
+                  False)
+
+
+@gluon.jit
+def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars,
+                     kv_free, info, ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
+                     stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
+    in K/V set and info slot r % 2), until one is invalid. Once an item's K and V have landed, it waits for the
+    previous item's dK/dV stores to have read their staging buffers (the other set) and hands that set back."""
+    it0 = 0
+    r = 0
+    done = False
+    while not done:
+        kset = r % 2
+        mbarrier.wait(kv_bars.index(2 * kset + c), (r // 2) & 1)
+        valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles = read_item(info.index(kset))
+        if r > 0:
             tma.store_wait(pendings=0)
+            mbarrier.arrive(kv_free.index(2 * (1 - kset) + c), count=1)
+        if valid:
+            lse_off = (hk * GROUP).to(gl.int64) * stride_lh + q_row0
+            _consume_item(c, 2 * kset + c, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ready,
+                          empty, 0, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, sq, sk, wl,
+                          wr, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, True)
+            it0 += GROUP * n_tiles
+        else:
+            done = True
+        r += 1
+    tma.store_wait(pendings=0)  # the last stores have read their buffers before the program's shared memory goes
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
-                        softmax_scale, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
-                        stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
+                        qk_scale, softmax_scale, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
+                        stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items, heads,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         LOADER_REGS: gl.constexpr):
     """The six tensors are host descriptors. Dense: over (B, S, H, D), the grid is (key tiles of 2 x BLOCK_N
-    rows, Hk, B), and DK_PTR, DV_PTR and the strides are unused. Varlen: over the packed (total, H, D) tensors,
-    the grid is (Hk, the tile list's bound), as in hopper_fwd.py's kernel (Note [varlen grid order] there), the
-    list ordered by each sequence's queries (ops/bwd.py); DK_PTR and DV_PTR are dK's and dV's tensors, for a
-    sequence's last key tile."""
+    rows, Hk, B), and DK_PTR, DV_PTR, TILES, CU_SEQLENS, COUNTER, the dK/dV strides, n_items and heads are unused.
+    Varlen: over the packed (total, H, D) tensors, whose seqlen_q/k are the totals; the grid is one program per SM
+    (at most n_items), persistent over the n_items = heads x tile-list entries work items (Note [persistent varlen
+    dK/dV]): TILES holds the (sequence, key tile) list (ops/common.varlen_grid: ordered by each sequence's queries,
+    ops/bwd.py, and within one the first key tile first), COUNTER the items handed out so far (0 at launch). DK_PTR
+    and DV_PTR are dK's and dV's tensors, for a sequence's last key tile.
+
+    Note [persistent varlen dK/dV]: the forward's persistence (Note [persistent varlen forward] in hopper_fwd.py)
+    applied to this kernel. One program per SM; the loader takes (sequence, KV head, key tile) items from COUNTER
+    in the list's order (hopper_common.work_item: tiles fastest within a sequence), and the Q/dO ring runs on from
+    one item to the next. K and V have two sets of buffers, item r in set r % 2, so the next item's K and V load
+    under the current one's query tiles; the loader describes each item in shared memory (`info`); a consumer
+    stages its dK and dV in its item's K and V buffers and leaves the TMA stores in flight until the next item's K
+    and V have landed, then hands the set back (`kv_free`), for the item after next. The second set is what the
+    ring's three slots leave of shared memory (224 KiB in all). Measured on the H200 (PERF.md v15): a program of the
+    one-program-per-tile grid paid ~5.5 µs besides its query tiles (~1.8 µs each), and the 16-sequence mix runs
+    16 programs per SM of 16 tiles (causal) where dense 4k runs 33. Persistent, the mix's causal dK/dV went from
+    553 to 497 µs (-10%), with the same results bit for bit; without a mask (31 tiles a program) 927 -> 937."""
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
+    q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    landed = barrier_array(1, 1).index(0)
     if IS_VARLEN:
-        hk = gl.program_id(0)
-        position = gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)
-        b, pid_n, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, position, CU_SEQLENS_Q,
-                                                                              CU_SEQLENS_K, seqlen_q, seqlen_k)
+        # Two sets of K and V buffers (2 * set + consumer); kv_free[i]: buffer i holds nothing its item still needs.
+        k_s = tile_buffers(K, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        v_s = tile_buffers(V, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        kv_free = barrier_array(4, 1)
+        info = info_slots()
+        kv_bars, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        gl.warp_specialize([
+            (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, kv_free, info,
+                                ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
+                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT,
+                                MASK_RIGHT)),
+            (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, kv_free, info,
+                                ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
+                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT,
+                                MASK_RIGHT)),
+            (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, kv_free, info, ready, empty, landed, COUNTER,
+                              TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
         hk = gl.program_id(1)
         b = gl.program_id(2)
-        q_row0 = 0
-        k_row0 = 0
-    n_start = pid_n * 2 * BLOCK_N
-    lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, 2 * BLOCK_N,
-                                             MASK_LEFT, MASK_RIGHT)
-    # Query tiles start at lo (a multiple of BLOCK_M). Those starting in [full_lo, full_hi) see every key of the
-    # program; of them, the ones that end by seqlen_q need no mask at all, not even on their LSE and delta rows.
-    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    if IS_VARLEN:
-        n_tiles = gl.where(valid, n_tiles, 0)
-    n_front = gl.minimum((full_lo - lo + BLOCK_M - 1) // BLOCK_M, n_tiles)
-    n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
-                                  n_front), n_tiles)
-    lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh + q_row0
-    k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
-    do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
-    kv_bars, ready, empty = ring_barriers(STAGES, 2)
-    landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(landed, count=1)
-    fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
-                     n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
-                     qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
-                     n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
-                     qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, IS_VARLEN)),
-        (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start, lo, n_tiles,
-                   q_row0, k_row0, seqlen_q, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, IS_VARLEN)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        n_start = pid_n * 2 * BLOCK_N
+        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                   MASK_RIGHT)
+        lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh
+        k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        kv_bars, ready, empty = ring_barriers(STAGES, 2)
+        gl.warp_specialize([
+            (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
+                         n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                         softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
+                         n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                         softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start, lo, n_tiles,
+                       seqlen_q, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

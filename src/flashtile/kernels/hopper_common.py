@@ -74,9 +74,7 @@ def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies outside
     the descriptor (compute-sanitizer, session 8).
 
-    `index`: for the dK/dV kernel, its position on the grid's y axis, folded into z when the list is longer than
-    y's 65535 programs (ops/common.py: tile_grid), with x the head (Note [varlen grid order] in hopper_fwd.py); for
-    the persistent forward, its work item divided by the heads (Note [persistent varlen forward])."""
+    `index`: the persistent kernels' work item divided by the heads (work_item)."""
     entry = TILES + 2 * index
     seq = gl.load(entry)
     b = gl.maximum(seq, 0)
@@ -85,6 +83,77 @@ def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     q_row0, seqlen_q = seq_lengths(b, valid, CU_SEQLENS_Q, None, total_q, False)
     k_row0, seqlen_k = seq_lengths(b, valid, CU_SEQLENS_K, None, total_k, False)
     return b, tile, valid, q_row0, seqlen_q, k_row0, seqlen_k
+
+
+@gluon.jit
+def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROWS: gl.constexpr,
+              LAST_FIRST: gl.constexpr, KEY_TILES: gl.constexpr):
+    """Work item w of a persistent varlen kernel (the forward's Note [persistent varlen forward]): the items of one
+    sequence are its heads x tiles, tiles fastest, and occupy items [first * heads, (first + n) * heads) when the
+    tile list (ops/common.varlen_grid) holds the sequence's n tiles of ROWS rows at entries [first, first + n),
+    the last tile first if LAST_FIRST. Entry w // heads lies in that run, so it names the sequence; where in the run
+    it lies gives `first`. The tiles are query tiles, or key tiles if KEY_TILES. Returns (valid, b, h, tile,
+    q_row0, seqlen_q, k_row0, seqlen_k), varlen_program's values for the entry; valid is false past the list."""
+    b, entry_tile, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, w // heads, CU_SEQLENS_Q,
+                                                                               CU_SEQLENS_K, total_q, total_k)
+    if KEY_TILES:
+        length = seqlen_k
+    else:
+        length = seqlen_q
+    n_tiles = gl.maximum((length + ROWS - 1) // ROWS, 1)  # an entry past the list has no rows
+    if LAST_FIRST:
+        position = n_tiles - 1 - entry_tile
+    else:
+        position = entry_tile
+    local = w - (w // heads - position) * heads
+    h = local // n_tiles
+    tile = local % n_tiles
+    if LAST_FIRST:
+        tile = n_tiles - 1 - tile
+    return valid, b, h, tile, q_row0, seqlen_q, k_row0, seqlen_k
+
+
+@gluon.jit
+def publish_item(slot, valid, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10):
+    """A persistent loader's description of a work item, for its consumers (read_item): valid and ten int32 fields,
+    into a 16-wide int32 row of shared memory. The thread barrier orders the warp's shared writes before its next
+    arrival on a barrier the consumers wait on (the item's first TMA load's `expect`) before reading."""
+    layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
+    i = gl.arange(0, 16, layout=layout)
+    v = gl.where(i == 0, valid.to(gl.int32), 0)
+    v = gl.where(i == 1, f1, v)
+    v = gl.where(i == 2, f2, v)
+    v = gl.where(i == 3, f3, v)
+    v = gl.where(i == 4, f4, v)
+    v = gl.where(i == 5, f5, v)
+    v = gl.where(i == 6, f6, v)
+    v = gl.where(i == 7, f7, v)
+    v = gl.where(i == 8, f8, v)
+    v = gl.where(i == 9, f9, v)
+    v = gl.where(i == 10, f10, v)
+    slot.store(v)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _field(v, i, k: gl.constexpr):
+    return gl.sum(gl.where(i == k, v, 0), 0)  # every thread holds the whole row: no shuffle
+
+
+@gluon.jit
+def read_item(slot):
+    """publish_item's fields, read by a 4-warp consumer: (valid, f1, ..., f10)."""
+    layout: gl.constexpr = gl.BlockedLayout([16], [32], [4], [0])
+    v = slot.load(layout)
+    i = gl.arange(0, 16, layout=layout)
+    return (_field(v, i, 0) != 0, _field(v, i, 1), _field(v, i, 2), _field(v, i, 3), _field(v, i, 4),
+            _field(v, i, 5), _field(v, i, 6), _field(v, i, 7), _field(v, i, 8), _field(v, i, 9), _field(v, i, 10))
+
+
+@gluon.jit
+def info_slots():
+    """Two rows for publish_item, one per buffer set of a persistent kernel (item r in slot r % 2)."""
+    return gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit

@@ -33,8 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, varlen_program,
-                            zero_rows_from)
+from .hopper_common import (barrier_array, info_slots, publish_item, read_item, ring_barriers, store_rows, tile_buffers,
+                            tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LN2, apply_mask, kv_block_range
 
 
@@ -70,17 +70,11 @@ def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, v_re
 @gluon.jit
 def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Work item w of a varlen batch: the items of one sequence are its heads x tiles, tiles fastest, and they
-    occupy items [first * heads, (first + n) * heads) when the tile list holds the sequence's n tiles at entries
-    [first, first + n) (last tile first). Entry w // heads lies in that run, so it names the sequence; where in
-    the run it lies gives `first`. Returns (valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo,
-    full_hi, n_blocks); valid is false past the list (its bound is the host's, its length the device's)."""
-    b, pid_m, valid, q_row0, seqlen_q, k_row0, seqlen_k = varlen_program(TILES, w // heads, CU_SEQLENS_Q,
-                                                                          CU_SEQLENS_K, total_q, total_k)
-    n_tiles = gl.maximum((seqlen_q + 2 * BLOCK_M - 1) // (2 * BLOCK_M), 1)  # an entry past the list has no rows
-    local = w - (w // heads - (n_tiles - 1 - pid_m)) * heads
-    h = local // n_tiles
-    m_start = (n_tiles - 1 - local % n_tiles) * 2 * BLOCK_M
+    """Work item w of a varlen batch (hopper_common.work_item; the tile list holds a sequence's query tiles last
+    first). Returns (valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo, full_hi, n_blocks)."""
+    valid, b, h, tile, q_row0, seqlen_q, k_row0, seqlen_k = work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                      total_q, total_k, 2 * BLOCK_M, True, False)
+    m_start = tile * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
                                               MASK_LEFT, MASK_RIGHT)
     n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
@@ -93,42 +87,6 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, h
     """A dense program's loader: its one item."""
     _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, ready, empty, b, h, hk, m_start, lo,
                n_blocks, 0, 0, 0, 0, BLOCK_M, BLOCK_N, STAGES, STAGES, False)
-
-
-@gluon.jit
-def _publish(slot, valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks):
-    """The loader's description of an item, for the consumers (_read_info), into one of the two info slots: ten
-    int32 fields of a 16-wide row. The thread barrier orders the warp's shared writes before its arrival on the Q
-    barrier, which the consumers wait on before reading."""
-    layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
-    i = gl.arange(0, 16, layout=layout)
-    v = gl.where(i == 0, valid.to(gl.int32), 0)
-    v = gl.where(i == 1, h, v)
-    v = gl.where(i == 2, m_start, v)
-    v = gl.where(i == 3, q_row0, v)
-    v = gl.where(i == 4, sq, v)
-    v = gl.where(i == 5, sk, v)
-    v = gl.where(i == 6, lo, v)
-    v = gl.where(i == 7, full_lo, v)
-    v = gl.where(i == 8, full_hi, v)
-    v = gl.where(i == 9, n_blocks, v)
-    slot.store(v)
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _field(v, i, k: gl.constexpr):
-    return gl.sum(gl.where(i == k, v, 0), 0)  # every thread holds the whole row: no shuffle
-
-
-@gluon.jit
-def _read_info(slot):
-    """_publish's fields: (valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks)."""
-    layout: gl.constexpr = gl.BlockedLayout([16], [32], [4], [0])
-    v = slot.load(layout)
-    i = gl.arange(0, 16, layout=layout)
-    return (_field(v, i, 0) != 0, _field(v, i, 1), _field(v, i, 2), _field(v, i, 3), _field(v, i, 4),
-            _field(v, i, 5), _field(v, i, 6), _field(v, i, 7), _field(v, i, 8), _field(v, i, 9))
 
 
 @gluon.jit
@@ -153,7 +111,7 @@ def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, 
         # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
         mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
         mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
-        _publish(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks)
+        publish_item(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
         if valid:
             _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, v_ready, v_empty, b, h,
                        h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, it0, 2 * qset, BLOCK_M, BLOCK_N,
@@ -312,7 +270,7 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars,
     while not done:
         qset = r % 2
         mbarrier.wait(q_bars.index(2 * qset + c), (r // 2) & 1)
-        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks = _read_info(info.index(qset))
+        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(info.index(qset))
         if valid:
             lse_off = h.to(gl.int64) * stride_lh + q_row0
             _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, ready, empty, v_ready, v_empty, 0, h,
@@ -357,8 +315,8 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
       blocks. The second set takes one K slot: K and V have rings of their own, STAGES - 1 and STAGES slots, and a
       consumer hands K_j back as soon as S_j is done, V_j after P_j V_j (one joint ring of two slots starved the
       in-warpgroup overlap: 17% slower, PERF.md S7-0);
-    - the loader describes each item to the consumers in shared memory (_publish: `info`, a slot per Q set), so
-      they never wait on a global load between items;
+    - the loader describes each item to the consumers in shared memory (hopper_common.publish_item: `info`, a
+      slot per Q set), so they never wait on a global load between items;
     - a consumer stages O in its item's Q buffer and leaves the TMA store in flight; once the next item's first S
       is issued, it waits for the store to have read the buffer and hands the buffer back (`q_free`), for the
       item after next.
@@ -366,13 +324,13 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     the one-program-per-tile grid (same results bit for bit): the mix's forward 525-545 -> 487-498 µs, causal
     320-324 -> 295-298 (-8%); 16 sequences of 1k -10% (causal -9%); 4 of 4k -6% (causal -2%).
 
-    Note [varlen grid order]: in the varlen dK/dV grid the heads are the fastest axis, so the programs in flight
-    are every head of a few tiles. A row of a packed (total, H, D) tensor holds all its heads (H x 256 bytes at
-    d128), so they read whole rows together; with the tile list fastest (a dense grid's order) they were the tiles
-    of one head of many sequences, each reading 256 bytes of every row. On the 16-sequence mix (H200, bf16, d128,
-    H=16) heads first made dK/dV 4% faster (7% causal) and the one-program-per-tile forward 4% (PERF.md, v11); the
-    Triton kernels' varlen grids take the same order (seqlen.tile_coords). The dense grids keep theirs (heads
-    first is not measured there), and the persistent forward its own.
+    Note [varlen grid order]: in the varlen grids of the Triton kernels the heads are the fastest axis
+    (seqlen.tile_coords), so the programs in flight are every head of a few tiles. A row of a packed (total, H, D)
+    tensor holds all its heads (H x 256 bytes at d128), so they read whole rows together; with the tile list
+    fastest (a dense grid's order) they were the tiles of one head of many sequences, each reading 256 bytes of
+    every row. On the 16-sequence mix (H200, bf16, d128, H=16) heads first made the then one-program-per-tile
+    Gluon dK/dV 4% faster (7% causal) and forward 4% (PERF.md, v11). The dense grids keep theirs (heads first is not
+    measured there), and the persistent Gluon kernels their own (tiles fastest within a sequence: above).
 
     Note [varlen descriptors]: a box over a packed tensor does not end where the sequence does, so the last tile of
     a sequence reads (and would write) the next sequence's rows. Reading them is harmless for Q and K: a query row
@@ -406,7 +364,7 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         # Two sets of Q buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
         q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
         q_free = barrier_array(4, 1)
-        info = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        info = info_slots()
         q_bars, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
         gl.warp_specialize([
             (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready,

@@ -81,8 +81,11 @@ def attention_bwd(
         # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
         # packed totals passed as their seqlen arguments.
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
-        order_dkdv = schedule(cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q)
         order_dq = schedule(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k)
+        if cu_seqlens_k is cu_seqlens_q and seqused_k is seqused_q and seqlen_k == seqlen_q:
+            order_dkdv = order_dq  # self-attention: the same lengths on both sides, so the same order (one launch)
+        else:
+            order_dkdv = schedule(cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q)
         if listed:
             order_dq, _ = varlen_grid(order_dq, seqlen_q, tile_config("bwd_dq", head_dim, fp32).block_m, True, nheads)
     else:

@@ -14,9 +14,9 @@ switches the path off.
 The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
-box, where each program finds its (sequence, tile) in a list written once per call (common.varlen_grid, in the order
-of Note [longest sequences first]; the forward's persistent programs take its items from a work counter, Note
-[persistent varlen forward]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors] in
+box, where the persistent programs take (sequence, head, tile) items from a work counter over a list written once per
+call (common.varlen_grid, in the order of Note [longest sequences first]; Notes [persistent varlen forward] and
+[persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors] in
 kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
 of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
 """
@@ -159,12 +159,18 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
         grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
-        dynamic = (*descs, None, None, lse, delta, None, None, None, qk_scale, softmax_scale)
-        static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 4)
+        dynamic = (*descs, None, None, lse, delta, None, None, None, None, qk_scale, softmax_scale)
+        static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 6)
     else:
-        tiles, grid = varlen_grid(order, k.shape[0], 2 * cfg.block_n, False, nheads_kv)
-        dynamic = (*descs, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale)
+        # Persistent (Note [persistent varlen dK/dV] in kernels/hopper_bwd.py), as the forward.
+        programs = sm_count(q.device)
+        key += (programs,)
+        tiles, list_grid = varlen_grid(order, k.shape[0], 2 * cfg.block_n, False, nheads_kv, counter=True)
+        n_items = list_grid[1] * list_grid[2] * nheads_kv
+        grid = (min(n_items, programs), 1, 1)
+        dynamic = (*descs, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, varlen_counter(tiles), qk_scale,
+                   softmax_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *dk.stride()[:2],
-                  *dv.stride()[:2])
+                  *dv.stride()[:2], n_items, nheads_kv)
     launch_fixed(_hopper_dkdv_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
