@@ -1,4 +1,5 @@
-"""Host time and do_bench time of one varlen call on the benchmark's 16-sequence mix, one source tree per process.
+"""Host time and do_bench time of one varlen call on the benchmark's 16-sequence mix, one source tree per process, and
+of the same tokens as a dense 4 x 4k batch (what the varlen machinery adds to the host's work).
 
 Host part: microseconds of Python per call (host_breakdown.host_us: min and median of five bursts, here of 50
 calls) for the forward under no_grad and for a forward+backward (torch.autograd.grad), with the GPU kept busy by a
@@ -32,6 +33,10 @@ def main() -> None:
                for _ in range(3))
     dout = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
 
+    # The same tokens as a dense batch of 4 x 4k, for the host time that is the varlen machinery's own.
+    q4, k4, v4, dout4 = (t.detach().view(4, total // 4, HEADS, HEAD_DIM) for t in (q, k, v, dout))
+    q4, k4, v4 = (t.requires_grad_() for t in (q4, k4, v4))
+
     def fwd(causal):
         with torch.no_grad():
             flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
@@ -40,8 +45,17 @@ def main() -> None:
         out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
         torch.autograd.grad(out, (q, k, v), dout)
 
+    def dense_fwd(causal):
+        with torch.no_grad():
+            flashtile.flash_attn_func(q4, k4, v4, causal=causal)
+
+    def dense_fwdbwd(causal):
+        out = flashtile.flash_attn_func(q4, k4, v4, causal=causal)
+        torch.autograd.grad(out, (q4, k4, v4), dout4)
+
     for causal in (False, True):
-        for name, call in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+        for name, call in (("fwd", fwd), ("fwdbwd", fwdbwd), ("dense4k_fwd", dense_fwd),
+                           ("dense4k_fwdbwd", dense_fwdbwd)):
             def f():
                 call(causal)
             f()
