@@ -337,7 +337,7 @@ def test_tile_list(device, monkeypatch, many, last_first):
     monkeypatch.undo()
     assert wgrid == grid
     assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
-    # With the persistent forward's work counter: two more rows, zeroed, one of them 16 bytes aligned.
+    # With a persistent kernel's work counter: two more rows, zeroed, one of them 16 bytes aligned.
     monkeypatch.setattr(torch, "empty", poisoned)
     counted, _ = varlen_grid(sched, total, block, last_first, heads, limit, counter=True)
     monkeypatch.undo()

@@ -70,7 +70,7 @@ def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     seqlen_k), the rows where the sequence starts in the packed tensors, 32-bit as TMA coordinates are (a packed
     tensor's row count is far below 2^31; element offsets are widened where they are formed). Entries past the list
     are (-1, -1); such an entry becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none),
-    so a program given one reads a tile at row 0 and writes nothing. A negative tile would put negative rows in its
+    and the persistent loaders publish it as the end of their work. A negative tile would put negative rows in its
     TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies outside
     the descriptor (compute-sanitizer, session 8).
 

@@ -205,7 +205,8 @@ def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varle
     """(tiles, heads, sequences) for a dense batch. For a varlen one (heads, tile list) with the heads fastest (Note
     [varlen grid order] in kernels/hopper_fwd.py), the list of sum_b cdiv(len_b, block) <= cdiv(total, block) + B
     tiles bounded whatever the lengths are; one longer than y's limit (more than 8M tokens of 128-row tiles) folds
-    into z, and a program reads position z * Y + y (seqlen.tile_coords, hopper_common.varlen_program)."""
+    into z, and a program reads position z * Y + y (seqlen.tile_coords). The persistent Gluon kernels take only
+    the list's bound from it (their items: hopper_common.work_item)."""
     if varlen:
         n = triton.cdiv(total, block) + batch
         return heads, min(n, limit), triton.cdiv(n, limit)
@@ -217,9 +218,9 @@ def varlen_grid(order: torch.Tensor, total: int, block: int, last_first: bool, h
     """`schedule`'s order written out as a tile list, (entries, 2) int32 on the device, and the grid that reads it
     (tile_grid's): one (sequence, tile) entry per tile of `block` rows, in tile_coords' order, then (-1, -1) up to
     the grid's Y * Z entries (kernels/seqlen.py: _tile_list_kernel). For kernels that read their tile instead of
-    walking the schedule (the Gluon Hopper kernels). With `counter`, two more rows, zeroed: the persistent forward's
-    work counter (Note [persistent varlen forward] in kernels/hopper_fwd.py) is the one of them 16 bytes aligned,
-    varlen_counter's. One small launch through the launch cache, no host synchronisation."""
+    walking the schedule (the Gluon Hopper kernels). With `counter`, two more rows, zeroed: a persistent kernel's
+    work counter (Notes [persistent varlen forward] and [persistent varlen dK/dV]) is the one of them 16 bytes
+    aligned, varlen_counter's. One small launch through the launch cache, no host synchronisation."""
     batch = order.shape[1]
     grid = tile_grid(block, 0, total, batch, heads, True, limit)
     entries = grid[1] * grid[2]
