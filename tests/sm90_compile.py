@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from flashtile.config import HOPPER, production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
-from flashtile.kernels.seqlen import MAX_SORT, MAX_STEP, _schedule_kernel, _tile_list_kernel  # noqa: E402
+from flashtile.kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel  # noqa: E402
 from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
@@ -36,7 +36,8 @@ KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd
 # Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
 I32_POINTERS = {"READY", "TILES", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE",
-                "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST", "COUNTER"}
+                "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST", "COUNTER", "COUNTERS",
+                "LAST_FIRST_LIST", "FIRST_FIRST_LIST"}
 FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
 I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
 # Kernels that take host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
@@ -190,12 +191,9 @@ def main(argv):
                 if "--ptxas" in argv:
                     row |= ptxas_report(ptx)
                 print(json.dumps(row), flush=True)
-    c = compile_kernel(_schedule_kernel, dict(BLOCK_B=MAX_SORT, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
-                                              COST_PACKED=True), 4, 1)
-    print(json.dumps({"kernel": "schedule", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
-    c = compile_kernel(_tile_list_kernel, dict(BLOCK=128, LAST_FIRST=True, STEP=MAX_STEP, COUNTER=True), 4, 1)
-    print(json.dumps({"kernel": "tile_list", "step": MAX_STEP, "shared": c.metadata.shared}), flush=True)
-
+    c = compile_kernel(_plan_kernel, dict(BLOCK_B=MAX_SORT, BLOCK=128, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
+                                          COST_PACKED=True), 4, 1)
+    print(json.dumps({"kernel": "plan", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

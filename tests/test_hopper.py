@@ -76,7 +76,7 @@ def test_kernel_paths_validates_like_the_api():
 def _captured_launch(monkeypatch, device, which, varlen):
     """The arguments ops/hopper.py would launch its Gluon kernel with (nothing is launched; a varlen batch's tile
     list is written, on the test device)."""
-    from flashtile.ops.common import schedule
+    from flashtile.ops.common import varlen_plan
 
     calls = []
     monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:
@@ -97,8 +97,9 @@ def _captured_launch(monkeypatch, device, which, varlen):
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
                       for n in (lens_q, lens_k))
         lse = torch.empty(4, q.shape[0], device=device)
-        tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if which != "bwd_dkdv" else (cu_k, k.shape[0], cu_q, q.shape[0])
-        seq = (cu_q, cu_k, schedule(tiled[0], None, tiled[1], tiled[2], None, tiled[3]))
+        fwd = which == "fwd"
+        tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if fwd else (cu_k, k.shape[0], cu_q, q.shape[0])
+        seq = (cu_q, cu_k, varlen_plan(tiled[0], None, tiled[1], tiled[2], None, tiled[3], 128, fwd, not fwd))
     else:
         lse = torch.empty(2, 4, 100, device=device)
         seq = ()
@@ -107,7 +108,8 @@ def _captured_launch(monkeypatch, device, which, varlen):
     else:
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
     (call,) = calls
-    return call, dict(q=q, k=k, v=v, out=out, dout=dout, dk=dk, dv=dv, lse=lse)
+    return call, dict(q=q, k=k, v=v, out=out, dout=dout, dk=dk, dv=dv, lse=lse, plan=seq[-1] if varlen else None,
+                      lens=lens_q if which == "fwd" else lens_k)
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
@@ -145,13 +147,17 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
         assert strides == (t[name].stride()[:2] if varlen else (0, 0)), param
     if varlen:
         # Persistent: one program per SM (7 here) over the items, one per head (KV head for dK/dV) and entry of the
-        # tile list (which covers every query or key tile), and the work counter in the list's two rows past its
-        # entries.
-        entries = named["TILES"].shape[0] - 2
+        # plan's tile list (which covers every query or key tile: the forward's last tile first, dK/dV's first
+        # first), and the plan's work counter for that list, 16 bytes aligned.
+        plan = t["plan"]
+        tiles = plan.last_first if which == "fwd" else plan.first_first
+        entries = tiles.shape[0]
         heads = 2 if which == "bwd_dkdv" else 4
+        assert named["TILES"] is tiles and entries >= -(-sum(t["lens"]) // 128) + 3
         assert (ints["n_items"], ints["heads"]) == (heads * entries, heads) and grid == (7, 1, 1)
         counter = named["COUNTER"]
-        assert counter.data_ptr() in {named["TILES"][entries + i].data_ptr() for i in (0, 1)}
+        assert counter.data_ptr() == plan.counters[0 if which == "fwd" else 1].data_ptr()
+        assert counter.data_ptr() % 16 == 0 and counter.tolist() == [0] * 4
     else:
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
         side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]

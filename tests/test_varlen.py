@@ -259,7 +259,10 @@ def test_max_seqlen_is_not_needed(device, monkeypatch):
 
 def test_schedule_is_longest_first(device):
     from flashtile.kernels.seqlen import MAX_SORT
-    from flashtile.ops.common import schedule
+    from flashtile.ops.common import varlen_plan
+
+    def schedule(*args):
+        return varlen_plan(*args).schedule
     lengths = [3, 9, 0, 9, 4, 1, 7]
     tiled = [5, 6, 7, 8, 9, 10, 11]
     cu, cu_tiled = cu_seqlens(lengths, device), cu_seqlens(tiled, device)
@@ -298,56 +301,81 @@ def _tile_coords_probe(SCHEDULE, OUT, batch, BLOCK: tl.constexpr, LAST_FIRST: tl
 def test_tile_list(device, monkeypatch, many, last_first):
     """Every tile of every sequence exactly once, in schedule order (over more sequences than one step); the
     programs past the list get a tile index past any sequence. The grid is (heads, list) with the list folded into
-    z past a limit (7 here, 65535 on a GPU): every head reads the whole list. tile_coords and the written-out list
-    (varlen_grid, for the Gluon kernels) agree."""
+    z past a limit (7 here, 65535 on a GPU): every head reads the whole list. tile_coords walking a plan's schedule
+    and the plan's written-out lists (for the Gluon kernels and the dQ kernel: each sequence's last tile first, and
+    first tile first) agree; the plan's work counters are zeroed."""
     from flashtile.kernels.seqlen import MAX_STEP
-    from flashtile.ops.common import schedule, schedule_step, tile_grid, varlen_counter, varlen_grid
+    from flashtile.ops.common import schedule_step, tile_grid, varlen_plan
     batch, block, heads = MAX_STEP + 77 if many else 20, 4, 2
     lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
     lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
     total = int(lengths.sum())
     cu = cu_seqlens(lengths.tolist(), device)
-    sched = schedule(cu, None, total, cu, None, total)
     limit = 7 if not many else 65535
-    grid = tile_grid(block, 0, total, batch, heads, True, limit)
-    programs = grid[1] * grid[2]
-    assert grid[0] == heads and programs >= -(-total // block) + batch
-    assert many or (grid[1] == 7 and grid[2] > 1)  # folded
-    out = torch.full((heads, programs, 4), -1, dtype=torch.int32, device=device)
-    _tile_coords_probe[grid](sched, out, batch, BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True),
-                             LISTED=False)
-    want = []
-    for b in sched[0].tolist():
-        tiles = list(range(math.ceil(int(lengths[b]) / block)))
-        want += [(b, t) for t in (tiles[::-1] if last_first else tiles)]
-    for h in range(heads):
-        got = [tuple(row) for row in out[h].tolist()]
-        assert [row[:2] for row in got[:len(want)]] == want
-        assert all(tile * block >= 2**31 - block for _, tile, _, _ in got[len(want):])
-        assert {row[2:] for row in got} == {(h, heads)}
-    # The same list written out, then (-1, -1) up to the grid's entries: written into memory filled with 7s, so
-    # that an entry the kernel leaves unwritten shows.
+    # Written into memory filled with 7s, so that an entry the kernel leaves unwritten shows.
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
         return empty(*args, **kwargs).fill_(7)
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    written, wgrid = varlen_grid(sched, total, block, last_first, heads, limit)
+    plan = varlen_plan(cu, None, total, cu, None, total, block, True, True, limit=limit)
     monkeypatch.undo()
-    assert wgrid == grid
-    assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
-    # With a persistent kernel's work counter: two more rows, zeroed, one of them 16 bytes aligned.
-    monkeypatch.setattr(torch, "empty", poisoned)
-    counted, _ = varlen_grid(sched, total, block, last_first, heads, limit, counter=True)
-    monkeypatch.undo()
-    assert [tuple(row) for row in counted.tolist()] == [tuple(row) for row in written.tolist()] + [(0, 0)] * 2
-    counter = varlen_counter(counted)
-    assert counter.data_ptr() % 16 == 0 and counter.tolist() == [0, 0]
-    # tile_coords reading that list (LISTED, the dQ kernel's way) finds what its walk of the schedule finds.
+    grid = tile_grid(block, 0, total, batch, heads, True, limit)
+    programs = grid[1] * grid[2]
+    assert grid[0] == heads and programs >= -(-total // block) + batch
+    assert many or (grid[1] == 7 and grid[2] > 1)  # folded
+
+    def tiles_in_order(last):
+        want = []
+        for b in plan.schedule[0].tolist():
+            tiles = list(range(math.ceil(int(lengths[b]) / block)))
+            want += [(b, t) for t in (tiles[::-1] if last else tiles)]
+        return want
+
+    # Each list written out, then (-1, -1) up to the grid's entries.
+    for last, written in ((False, plan.first_first), (True, plan.last_first)):
+        want = tiles_in_order(last)
+        assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
+    assert plan.counters.tolist() == [[0] * 4] * 2
+    assert all(t.data_ptr() % 16 == 0 for t in (*plan.counters, plan.last_first, plan.first_first))
+    # tile_coords walking the schedule finds the same tiles (in one order per case: the walk is slow under the
+    # interpreter), and so does tile_coords reading the list (LISTED, the dQ kernel's way).
+    out = torch.full((heads, programs, 4), -1, dtype=torch.int32, device=device)
+    _tile_coords_probe[grid](plan.schedule, out, batch, BLOCK=block, LAST_FIRST=last_first,
+                             STEP=schedule_step(batch, True), LISTED=False)
+    want = tiles_in_order(last_first)
+    for h in range(heads):
+        got = [tuple(row) for row in out[h].tolist()]
+        assert [row[:2] for row in got[:len(want)]] == want
+        assert all(tile * block >= 2**31 - block for _, tile, _, _ in got[len(want):])
+        assert {row[2:] for row in got} == {(h, heads)}
     listed = torch.full_like(out, -1)
-    _tile_coords_probe[grid](written, listed, batch, BLOCK=block, LAST_FIRST=last_first, STEP=1, LISTED=True)
+    _tile_coords_probe[grid](plan.last_first if last_first else plan.first_first, listed, batch, BLOCK=block,
+                             LAST_FIRST=last_first, STEP=1, LISTED=True)
     assert torch.equal(listed, out)
+
+
+def test_backward_takes_the_forward_plan(device, monkeypatch):
+    """Note [one plan per step]: an eager self-attention forward writes the backward's lists, so its backward plans
+    nothing; a second backward (retain_graph) plans anew, as the op route (torch.compile's) always does, with the
+    same gradients bit for bit."""
+    import flashtile.ops.bwd
+    q, k, v, dout, cu, _ = varlen_inputs(device, [40, 3, 77], [40, 3, 77], seed=23)
+    calls = []
+    real = flashtile.ops.bwd.varlen_plan
+    monkeypatch.setattr(flashtile.ops.bwd, "varlen_plan", lambda *args: calls.append(args) or real(*args))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 77, 77, causal=True, return_attn_probs=True)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    assert calls == []
+    second = torch.autograd.grad(out, (q, k, v), dout)
+    assert len(calls) == 1
+    scale = q.shape[-1] ** -0.5
+    op_route = flashtile.ops.bwd.attention_bwd(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu, cu,
+                                               None, None, None, 77, 77, scale, -1, 0, 0.0, 0)
+    for a, b, c in zip(first, second, op_route):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,11 +396,16 @@ def test_dq_walks_the_schedule_under_autotune(device, monkeypatch):
         pytest.skip("on a GPU this would autotune every kernel")
     import flashtile.ops.bwd
 
+    real = flashtile.ops.bwd.varlen_plan
+
     def no_list(*args, **kwargs):
-        raise AssertionError("the backward wrote a tile list under FLASHTILE_AUTOTUNE=1")
+        plan = real(*args, **kwargs)
+        assert plan.last_first is None and plan.first_first is None, "a tile list under FLASHTILE_AUTOTUNE=1"
+        return plan
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
-    monkeypatch.setattr(flashtile.ops.bwd, "varlen_grid", no_list)
+    monkeypatch.setattr(flashtile.ops.bwd, "varlen_plan", no_list)
+    monkeypatch.setattr(flashtile.ops.fwd, "varlen_plan", no_list)
     run_varlen(device, [40, 0, 77, 5], [40, 0, 77, 5], causal=True)
 
 

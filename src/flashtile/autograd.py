@@ -6,12 +6,14 @@ autograd.Function that eager calls on plain tensors use, calling the implementat
 No kernel code and no argument checking here.
 """
 
+import functools
+
 import torch
 from torch.autograd import forward_ad
 
-from .ops.bwd import attention_bwd
+from .ops.bwd import attention_bwd, backward
 from .ops.common import PACK_KV, PACK_QKV, untraced
-from .ops.fwd import attention_fwd
+from .ops.fwd import attention_fwd, forward
 
 # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table
 _N_TENSOR_INPUTS = 9
@@ -31,6 +33,8 @@ def _gradients(ctx, dout, bwd):
             "flashtile has no backward through a paged KV cache (block_table): paged K/V is an inference feature. "
             "Run the forward under torch.no_grad(), or pass contiguous k and v to get gradients.")
     packing = ctx.scalars[-1]
+    if dout is None:  # no gradient reached out (the eager route does not materialise one: see its forward)
+        dout = torch.zeros_like(out)
     grads = bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi, *ctx.scalars)
     if packing == PACK_QKV:
         dq, dk, dv = grads[0], None, None
@@ -53,9 +57,13 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = attention_fwd.impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+        # The forward also plans the backward's varlen kernels (Note [one plan per step] in ops/bwd.py).
+        out, lse, ctx.plan = forward(*inputs, for_backward=True)
+        # The LSE takes no gradient, and a zero-filled one that the backward ignores would cost an allocation and
+        # a kernel launch on the host's way to the dQ launch, which the GPU waits for on short varlen batches.
+        ctx.set_materialize_grads(False)
+        _setup_context(ctx, inputs, (out, lse))
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -65,7 +73,9 @@ class _EagerAttention(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("flashtile attention is not twice differentiable: its backward cannot run with "
                                "create_graph=True")
-        return _gradients(ctx, dout, attention_bwd.impl)
+        # A plan serves one backward (its work counter): a second one (retain_graph) plans its own.
+        plan, ctx.plan = ctx.plan, None
+        return _gradients(ctx, dout, functools.partial(backward, plan=plan))
 
 
 def attention(*inputs):

@@ -10,7 +10,7 @@ sequence's tile count for every sequence, and the programs past a shorter sequen
 cu_seqlens and exit: on a mix of 256..4096 tokens that is three programs in four, each holding an SM slot. So a
 varlen grid is (heads, tile bound): the tiles of all sequences in one list, whose length is bounded from the
 packed total alone (sum of cdiv(len_b, BLOCK) <= cdiv(total, BLOCK) + B), with no host synchronisation and
-without reading max_seqlen. `_schedule_kernel` writes the sequences in launch order with their tiled lengths;
+without reading max_seqlen. `_plan_kernel` writes the sequences in launch order with their tiled lengths;
 program t walks it once (`tile_coords`: a prefix sum of tile counts, up to MAX_STEP sequences per step) to find
 its (sequence, tile): one read of the schedule (8 KB from L2 for up to 1024 sequences) and a prefix sum per
 program, in place of the idle programs. At most B programs per head are left over past the list, and they exit at
@@ -23,7 +23,7 @@ wave ends evenly. In batch order a long sequence that comes last leaves most SMs
 scheduling simulated on 132 SMs with 4 heads (tensor parallelism) and the benchmark's 16-sequence mix, longest
 sequence last, reaches 66-96% of the ideal in batch order and 95-99% longest first (causal or not, one or two
 programs per SM); with 16 heads the gain is ~1%. The tiles of one sequence and head stay neighbours in launch
-order, which keeps its K/V shared through L2. `_schedule_kernel` sorts chunks of up to MAX_SORT sequences
+order, which keeps its K/V shared through L2. `_plan_kernel` orders chunks of up to MAX_SORT sequences
 separately: with more sequences than that, each chunk is a full wave of work.
 
 This file only computes indices, offsets and lengths.
@@ -32,7 +32,7 @@ This file only computes indices, offsets and lengths.
 import triton
 import triton.language as tl
 
-MAX_SORT = 1024  # sequences sorted together by _schedule_kernel (one bitonic sort per program)
+MAX_SORT = 1024  # sequences ordered together by _plan_kernel (each ranked within its chunk of this many)
 MAX_STEP = 1024  # sequences tile_coords and the tile list read per step: one step up to 1024 sequences
 
 
@@ -151,7 +151,7 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
     come last first if LAST_FIRST. A program past the list gets sequence 0 and a tile index past any sequence's
     end, so its end-of-sequence check exits it.
 
-    LISTED: SCHEDULE is instead that list written out for this BLOCK and LAST_FIRST (ops/common.varlen_grid), and
+    LISTED: SCHEDULE is instead that list written out for this BLOCK and LAST_FIRST (ops/common.varlen_plan), and
     the program reads its entry: one load in place of the walk's prefix sums, which cost the varlen dQ kernel
     registers (ptxas: 213 against 197 listed, dense 176) and 4-6% of its time (PERF.md, v13).
     """
@@ -193,54 +193,62 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
 
 
 @triton.jit
-def _schedule_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, batch, bound_tiled, bound_cost,
-                     BLOCK_B: tl.constexpr, HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr,
-                     COST_PACKED: tl.constexpr):
-    """SCHEDULE[0, chunk] = this program's chunk of BLOCK_B sequences by decreasing cost length (ties keep batch
-    order); SCHEDULE[1, chunk] = their tiled lengths. Notes [varlen tile list] and [longest sequences first]."""
+def _plan_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, LAST_FIRST_LIST, FIRST_FIRST_LIST,
+                 COUNTERS, batch, bound_tiled, bound_cost, entries, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr, COST_PACKED: tl.constexpr):
+    """A varlen call's plan (ops/common.varlen_plan), in one launch: SCHEDULE, (2, batch), the sequences in launch
+    order and their tiled lengths (Notes [varlen tile list] and [longest sequences first]); with BLOCK > 0 the
+    tile list of BLOCK-row tiles in that order, written out, each sequence's last tile first (LAST_FIRST_LIST) or
+    first tile first (FIRST_FIRST_LIST), whichever are not None, then (-1, -1) up to `entries`; and COUNTERS, two
+    persistent kernels' work counters (4 int32 each, 16 bytes apart), zeroed.
+
+    Program b < batch places sequence b: its rank among the sequences of its chunk of BLOCK_B (cost descending,
+    ties in batch order) is how many of them sort before it, so no program sorts and none waits for another; its
+    tiles start after those of the earlier chunks and of the sequences ranked before it. Program `batch` (with
+    lists) finds the total that way, pads the lists and zeroes the counters."""
+    b = tl.program_id(0)
+    first = b - b % BLOCK_B  # b's chunk
     i = tl.arange(0, BLOCK_B)
-    first = tl.program_id(0) * BLOCK_B
-    ok = first + i < batch
-    _, cost = seq_lengths(first + i, ok, CU_COST, SEQUSED_COST, bound_cost, HAS_SEQUSED_COST, COST_PACKED)
-    # One sortable key per sequence: the cost, then the reversed position so that equal costs keep their order in
-    # a descending sort; padding sorts last.
+    z = first + i
+    ok = z < batch
+    _, cost = seq_lengths(z, ok, CU_COST, SEQUSED_COST, bound_cost, HAS_SEQUSED_COST, COST_PACKED)
+    # One key per sequence, unique: the cost, then the reversed position so that equal costs keep batch order;
+    # past the batch -1, below every key (so program `batch` ranks after its whole chunk).
     key = tl.where(ok, cost.to(tl.int64) * BLOCK_B + (BLOCK_B - 1 - i), -1)
-    key = tl.sort(key, descending=True)
-    b = first + (BLOCK_B - 1 - key % BLOCK_B).to(tl.int32)
-    tl.store(SCHEDULE + first + i, b, mask=ok)
-    _, tiled = seq_lengths(b, ok, CU_TILED, SEQUSED_TILED, bound_tiled, HAS_SEQUSED_TILED)
-    tl.store(SCHEDULE + batch + first + i, tiled, mask=ok)
+    ahead = ok & (key > tl.sum(tl.where(i == b - first, key, 0), 0))
+    _, length = seq_lengths(b, b < batch, CU_TILED, SEQUSED_TILED, bound_tiled, HAS_SEQUSED_TILED)
+    if b < batch:
+        rank = tl.sum(ahead.to(tl.int32), 0)
+        tl.store(SCHEDULE + first + rank, b)
+        tl.store(SCHEDULE + batch + first + rank, length)
+    if BLOCK > 0:
+        _, tiled = seq_lengths(z, ok, CU_TILED, SEQUSED_TILED, bound_tiled, HAS_SEQUSED_TILED)
+        before = tl.sum(tl.where(ahead, tl.cdiv(tiled, BLOCK), 0), 0)
+        for start in range(0, first, BLOCK_B):  # the earlier chunks, all of whose tiles come first
+            _, n = seq_lengths(start + i, True, CU_TILED, SEQUSED_TILED, bound_tiled, HAS_SEQUSED_TILED)
+            before += tl.sum(tl.cdiv(n, BLOCK), 0)
+        if b < batch:
+            n = tl.cdiv(length, BLOCK)
+            if LAST_FIRST_LIST is not None:
+                _write_entries(LAST_FIRST_LIST, before, n, b, True)
+            if FIRST_FIRST_LIST is not None:
+                _write_entries(FIRST_FIRST_LIST, before, n, b, False)
+        else:
+            if LAST_FIRST_LIST is not None:
+                _write_entries(LAST_FIRST_LIST, before, entries - before, -1, True)
+            if FIRST_FIRST_LIST is not None:
+                _write_entries(FIRST_FIRST_LIST, before, entries - before, -1, False)
+            tl.store(COUNTERS + tl.arange(0, 8), tl.zeros([8], tl.int32))
 
 
 @triton.jit
-def _tile_list_kernel(SCHEDULE, TILES, batch, entries, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr,
-                      STEP: tl.constexpr, COUNTER: tl.constexpr):
-    """The tile list of Note [varlen tile list] written out, one (sequence, tile) pair per entry, for kernels that
-    read their coordinates instead of walking SCHEDULE (the Gluon Hopper kernels: their per-program code has no
-    room for tile_coords' vector prefix sum). Program p < batch writes the tiles of the p-th sequence in SCHEDULE,
-    in tile_coords' order; program `batch` writes (-1, -1) into the rest of the `entries` entries of TILES, which
-    marks them as past the list, and with COUNTER zeroes the two rows after them (ops/common.varlen_counter)."""
-    p = tl.program_id(0)
-    before = 0  # tiles of the sequences before p in SCHEDULE (all of them for the last program)
-    for first in range(0, batch, STEP):
-        z = first + tl.arange(0, STEP)
-        tiles = tl.cdiv(tl.load(SCHEDULE + batch + z, mask=z < tl.minimum(p, batch), other=0), BLOCK)
-        before += tl.sum(tiles, 0)
-    if p < batch:
-        seq = tl.load(SCHEDULE + p)
-        n = tl.cdiv(tl.load(SCHEDULE + batch + p), BLOCK)
-        for i in range(n):
-            entry = TILES + 2 * (before + i)
-            tl.store(entry, seq)
-            if LAST_FIRST:
-                tl.store(entry + 1, n - 1 - i)
-            else:
-                tl.store(entry + 1, i)
-    else:
-        PAD: tl.constexpr = 512
-        for first in range(before, entries, PAD):
-            e = first + tl.arange(0, 2 * PAD) // 2  # each entry's two int32s, side by side
-            offs = 2 * first + tl.arange(0, 2 * PAD)
-            tl.store(TILES + offs, tl.full([2 * PAD], -1, tl.int32), mask=e < entries)
-        if COUNTER:
-            tl.store(TILES + 2 * entries + tl.arange(0, 4), tl.zeros([4], tl.int32))
+def _write_entries(LIST, first, n, seq, LAST_FIRST: tl.constexpr):
+    """Entries [first, first + n) of a tile list: (seq, tile) for the n tiles of sequence seq, the last first if
+    LAST_FIRST; (-1, -1), past the list, for seq -1."""
+    WIDTH: tl.constexpr = 256
+    lane = tl.arange(0, 2 * WIDTH)  # each entry's two int32s, side by side
+    for t0 in range(0, n, WIDTH):
+        t = t0 + lane // 2
+        tile = n - 1 - t if LAST_FIRST else t
+        value = tl.where(lane % 2 == 0, seq, tl.where(seq < 0, -1, tile))
+        tl.store(LIST + 2 * (first + t0) + lane, value, mask=t < n)

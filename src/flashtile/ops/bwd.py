@@ -5,12 +5,26 @@ Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
 reproducible. Varlen batches get the forward's tile lists and heads-first grids (kernels/seqlen.py): dQ tiles
 cost in proportion to their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest
-sequences first. The dQ kernel reads its tile from its list written out (ops/common.varlen_grid); the Triton
+sequences first. The dQ kernel reads its tile from its list written out (ops/common.varlen_plan); the Triton
 dK/dV kernel walks its schedule (seqlen.tile_coords). Two launches, in that order on one stream: dK/dV reads the
 delta the dQ kernel wrote, through per-(sequence, head) counters that let it start on the SMs the dQ grid's last
 wave leaves idle, launched with programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py;
 FLASHTILE_PDL=0 switches that off). Packed inputs get their gradients written into one buffer of the packed
 shape.
+
+Note [one plan per step]: a varlen call's kernels read a plan (ops/common.varlen_plan: the launch order, tile lists
+and work counters), one small launch that costs ~20 µs of host time on the H200 machine, as much as a kernel
+launch of the attention itself. Session 15's varlen forward+backward made six of them around its three kernels
+(the forward's schedule and list, the backward's dQ list and dK/dV list, besides the kernels that read them), and
+it was host-bound: the autograd engine hands the backward to its device thread after the forward returns, and
+the host reached the dQ launch after the GPU had finished the ~280 µs causal forward of the benchmark's
+16-sequence mix. Now one launch writes the order and every list a call needs (one kernel, each program placing its
+sequence by rank, no sort), and an eager forward that autograd will differentiate writes the backward's lists too
+where one plan can hold them (self-attention, the same lengths on both sides, and lists of one block: the Hopper
+path's 128-row tiles), handing the plan to the backward on the autograd context; the forward's persistent kernel
+and dK/dV's count their work items in counters of their own. A varlen forward+backward then launches one plan
+and its three kernels; a torch.compile'd one (whose backward is the `flashtile::bwd` op, which takes no plan) one
+more. A plan serves a single backward: a second one (retain_graph) plans anew, its dK/dV counter being spent.
 """
 
 from __future__ import annotations
@@ -19,13 +33,13 @@ from typing import Optional
 
 import torch
 
-from .. import env
 from ..config import block_d, tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, host_desc,
-                     pdl_supported, schedule, schedule_step, tile_grid, tma_ready, unpack, varlen_grid)
+from .common import (PACK_KV, PACK_QKV, Plan, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks,
+                     host_desc, list_blocks, pdl_supported, plan_lists, schedule_step, self_attention, tile_grid,
+                     tma_ready, unpack, varlen_plan)
 from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
@@ -58,6 +72,15 @@ def attention_bwd(
     softcap: float, packing: int,
 ) -> list[torch.Tensor]:
     """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv]."""
+    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                    max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing)
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q,
+             max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing,
+             plan: Optional[Plan] = None) -> list[torch.Tensor]:
+    """attention_bwd's implementation. `plan`: the forward's (ops/fwd.forward), used for whatever lists of this
+    backward's it holds (Note [one plan per step]); a plan may serve one backward only (its dK/dV work counter)."""
     grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
     q, k, v = unpack(*(tma_ready(t) if t is not None else None for t in (q, k, v)), packing)
     out = tma_ready(out)
@@ -74,27 +97,30 @@ def attention_bwd(
     dout = tma_ready(dout)
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     fp32 = q.dtype == torch.float32
-    # The varlen dQ kernel reads its tile from a list written for its BLOCK_M (seqlen.tile_coords, LISTED), unless
-    # an autotuner may launch it with another BLOCK_M: then it walks the schedule.
-    listed = varlen and not env.autotune()
-    if varlen:
-        # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
-        # packed totals passed as their seqlen arguments.
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
-        order_dq = schedule(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k)
-        if cu_seqlens_k is cu_seqlens_q and seqused_k is seqused_q and seqlen_k == seqlen_q:
-            order_dkdv = order_dq  # self-attention: the same lengths on both sides, so the same order (one launch)
-        else:
-            order_dkdv = schedule(cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q)
-        if listed:
-            order_dq, _ = varlen_grid(order_dq, seqlen_q, tile_config("bwd_dq", head_dim, fp32).block_m, True, nheads)
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        order_dkdv = order_dq = None
-    qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     # The Gluon dK/dV kernel (Note [hopper path] in ops/hopper.py) runs after the dQ kernel, without the handoff.
     gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
                                softcap=softcap, alibi=alibi_slopes is not None) is None
+    plan_k = None
+    if varlen:
+        # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
+        # packed totals passed as their seqlen arguments. The dQ kernel reads its tile from a last-first list of its
+        # BLOCK_M (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it
+        # walks the schedule (dq_block 0). The Gluon dK/dV kernel reads a first-first list of the key side.
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
+        _, dq_block, dkdv_block = list_blocks(head_dim, fp32, gluon)
+        self_attn = self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k)
+        if plan is None or not plan.has(dq_block, 0):
+            lists = plan_lists(0, dq_block, dkdv_block) if self_attn else None
+            plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
+                               *(lists or (dq_block, bool(dq_block), False)))
+        # Self-attention: the same lengths on both sides, so the same order (Triton's dK/dV walks the schedule).
+        plan_k = plan if self_attn and plan.has(0, dkdv_block) else varlen_plan(
+            cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q, dkdv_block, False, bool(dkdv_block))
+        listed = dq_block > 0
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        listed = False
+    qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads; for the Triton dK/dV
     # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
@@ -138,16 +164,18 @@ def attention_bwd(
            window_left, window_right, softcap > 0.0, packing, pdl, listed, gluon)
     prepare_launch(q)
     launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
-           (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args, order_dq, *scalars),
+           (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
+            None if plan is None else plan.last_first if listed else plan.schedule, *scalars),
            lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
     record("bwd_dq", TRITON)
     if gluon:
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                        cu_seqlens_q, cu_seqlens_k, order_dkdv)
+                        cu_seqlens_q, cu_seqlens_k, plan_k)
         record("bwd_dkdv", HOPPER_PATH)
         return grads
     launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, fp32, key,
-           (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args, order_dkdv, *scalars),
+           (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
+            None if plan_k is None else plan_k.schedule, *scalars),
            lambda: static("bwd_dkdv"), pdl=pdl)
     record("bwd_dkdv", TRITON)
     return grads

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import env
-from ..config import block_d
-from ..kernels.seqlen import MAX_SORT, MAX_STEP, _schedule_kernel, _tile_list_kernel
+from ..config import HOPPER, block_d, tile_config
+from ..kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel
 from .launch import launch_fixed, signature
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
@@ -170,24 +172,6 @@ def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def schedule(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost: torch.Tensor, seqused_cost,
-             bound_cost: int, cost_packed: bool = True) -> torch.Tensor:
-    """(2, B) int32 on the device: the sequences in launch order, longest `cost` side first, and the lengths of their
-    `tiled` side (the axis the grid tiles), both clamped to their bounds as the kernels clamp them (seqlen.py:
-    seq_lengths). One small launch through the launch cache, no host synchronisation. Notes [varlen tile list] and
-    [longest sequences first] in kernels/seqlen.py."""
-    batch = cu_tiled.shape[0] - 1
-    out = torch.empty((2, batch), dtype=torch.int32, device=cu_tiled.device)
-    if batch > 0:
-        block = min(MAX_SORT, triton.next_power_of_2(batch))
-        key = (signature(cu_tiled, seqused_tiled, cu_cost, seqused_cost), bound_tiled, bound_cost, cost_packed)
-        launch_fixed(_schedule_kernel, key, (triton.cdiv(batch, block), 1, 1),
-                     (cu_tiled, seqused_tiled, cu_cost, seqused_cost, out), (batch, bound_tiled, bound_cost),
-                     dict(BLOCK_B=block, HAS_SEQUSED_TILED=seqused_tiled is not None,
-                          HAS_SEQUSED_COST=seqused_cost is not None, COST_PACKED=cost_packed), num_warps=4)
-    return out
-
-
 def schedule_step(batch: int, varlen: bool) -> int:
     """How many sequences tile_coords and the tile list read per step of their prefix sum (kernels/seqlen.py): a
     few sizes, so that the kernels that take it compile a few times, not once per batch size. A dense grid walks
@@ -213,30 +197,83 @@ def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varle
     return triton.cdiv(seqlen, block), heads, batch
 
 
-def varlen_grid(order: torch.Tensor, total: int, block: int, last_first: bool, heads: int,
-                limit: int = MAX_GRID_Y, counter: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """`schedule`'s order written out as a tile list, (entries, 2) int32 on the device, and the grid that reads it
-    (tile_grid's): one (sequence, tile) entry per tile of `block` rows, in tile_coords' order, then (-1, -1) up to
-    the grid's Y * Z entries (kernels/seqlen.py: _tile_list_kernel). For kernels that read their tile instead of
-    walking the schedule (the Gluon Hopper kernels). With `counter`, two more rows, zeroed: a persistent kernel's
-    work counter (Notes [persistent varlen forward] and [persistent varlen dK/dV]) is the one of them 16 bytes
-    aligned, varlen_counter's. One small launch through the launch cache, no host synchronisation."""
-    batch = order.shape[1]
-    grid = tile_grid(block, 0, total, batch, heads, True, limit)
-    entries = grid[1] * grid[2]
-    tiles = torch.empty((entries + 2 * counter, 2), dtype=torch.int32, device=order.device)
-    key = (signature(order), total, block, last_first, limit, counter)
-    launch_fixed(_tile_list_kernel, key, (batch + 1, 1, 1), (order, tiles), (batch, entries),
-                 dict(BLOCK=block, LAST_FIRST=last_first, STEP=schedule_step(batch, True), COUNTER=counter),
-                 num_warps=4)
-    return tiles, grid
+class Plan(NamedTuple):
+    """What varlen_plan wrote for a varlen call's kernels, views of one int32 buffer on the device."""
+    schedule: torch.Tensor  # (2, B): the sequences in launch order, and their tiled lengths (seqlen.tile_coords)
+    block: int  # rows per tile of the lists (0: no list written)
+    last_first: Optional[torch.Tensor]  # (entries, 2): the tile list, each sequence's last tile first
+    first_first: Optional[torch.Tensor]  # (entries, 2): the same tiles, each sequence's first tile first
+    # (2, 4): zeroed work counters, [0] for a persistent kernel reading last_first (the forward), [1] first_first
+    # (dK/dV)
+    counters: Optional[torch.Tensor]
+
+    def has(self, last_first: int, first_first: int) -> bool:
+        """Whether this plan holds the lists of these blocks (0: that list is not needed)."""
+        return all(not want or (self.block == want and lst is not None)
+                   for want, lst in ((last_first, self.last_first), (first_first, self.first_first)))
 
 
-def varlen_counter(tiles: torch.Tensor) -> torch.Tensor:
-    """The work counter of a tile list written with `counter` (varlen_grid): of its two zeroed rows, the one at an
-    even index, so 16 bytes aligned as every pointer argument of a cached launch is specialised."""
-    entries = tiles.shape[0] - 2
-    return tiles[entries + entries % 2]
+def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost: torch.Tensor, seqused_cost,
+                bound_cost: int, block: int = 0, last_first: bool = False, first_first: bool = False,
+                cost_packed: bool = True, limit: int = MAX_GRID_Y) -> Plan:
+    """The schedule of a varlen call: its sequences in launch order, longest `cost` side first, with the lengths of
+    their `tiled` side (the axis the grid tiles), both clamped to their bounds as the kernels clamp them
+    (seqlen.py: seq_lengths); with `block`, that order written out as a tile list of `block`-row tiles, one
+    (sequence, tile) entry per tile in tile_coords' order (each sequence's last tile first, `last_first`, or first
+    tile first, `first_first`, or both), then (-1, -1) up to the entries of tile_grid's grid, and two zeroed work
+    counters for the persistent Gluon kernels (Notes [persistent varlen forward] and [persistent varlen dK/dV]).
+    Kernels that walk the schedule take `schedule`, kernels that read their tile take a list (the Gluon kernels and
+    the varlen dQ kernel). One launch (kernels/seqlen.py: _plan_kernel), through the launch cache, no host
+    synchronisation. Notes [varlen tile list] and [longest sequences first] in kernels/seqlen.py."""
+    batch = cu_tiled.shape[0] - 1
+    lists = block > 0 and (last_first or first_first)
+    entries = math.prod(tile_grid(block, 0, bound_tiled, batch, 1, True, limit)[1:]) if lists else 0
+
+    def aligned(n: int) -> int:  # int32s, rounded up so that every part starts 16 bytes aligned
+        return -(-n // 4) * 4
+
+    spans = [8, aligned(2 * batch)] + ([aligned(2 * entries)] * (last_first + first_first) if lists else [])
+    counters, sched, *written = torch.empty(sum(spans), dtype=torch.int32, device=cu_tiled.device).split(spans)
+    written = iter(w[:2 * entries].view(entries, 2) for w in written)
+    plan = Plan(sched[:2 * batch].view(2, batch), block if lists else 0,
+                next(written) if lists and last_first else None, next(written) if lists and first_first else None,
+                counters.view(2, 4) if lists else None)
+    if batch + lists > 0:
+        key = (signature(cu_tiled, seqused_tiled, cu_cost, seqused_cost), bound_tiled, bound_cost, cost_packed,
+               plan.block, plan.last_first is not None, plan.first_first is not None, entries)
+        launch_fixed(_plan_kernel, key, (batch + lists, 1, 1),
+                     (cu_tiled, seqused_tiled, cu_cost, seqused_cost, plan.schedule, plan.last_first,
+                      plan.first_first, plan.counters), (batch, bound_tiled, bound_cost, entries),
+                     dict(BLOCK_B=min(MAX_SORT, triton.next_power_of_2(max(batch, 1))), BLOCK=plan.block,
+                          HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
+                          COST_PACKED=cost_packed), num_warps=4)
+    return plan
+
+
+def self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether a varlen call's two sides have the same lengths by construction (the same tensors describe them),
+    so that one plan orders both."""
+    return cu_seqlens_k is cu_seqlens_q and seqused_k is seqused_q and seqlen_k == seqlen_q
+
+
+def plan_lists(fwd: int, dq: int, dkdv: int) -> Optional[tuple[int, bool, bool]]:
+    """(block, last_first, first_first) for one plan serving the lists of these kernels (rows per tile; 0: the
+    kernel walks the schedule): the forward and dQ read last-first lists, dK/dV first-first. None when the blocks
+    differ, and two plans are needed."""
+    blocks = {rows for rows in (fwd, dq, dkdv) if rows}
+    if len(blocks) > 1:
+        return None
+    return (blocks.pop() if blocks else 0), bool(fwd or dq), bool(dkdv)
+
+
+def list_blocks(head_dim: int, fp32: bool, gluon: bool) -> tuple[int, int, int]:
+    """Rows per tile of the lists that the varlen forward, dQ and dK/dV kernels read, 0 for one that walks the
+    schedule: the Gluon kernels (`gluon`, Note [hopper path] in ops/hopper.py) take 2 x their consumer's rows; the
+    dQ kernel reads a list of its BLOCK_M unless an autotuner may launch it with another (ops/bwd.py)."""
+    fwd = 2 * HOPPER["fwd"][head_dim].block_m if gluon else 0
+    dkdv = 2 * HOPPER["bwd_dkdv"][head_dim].block_n if gluon else 0
+    dq = 0 if env.autotune() else tile_config("bwd_dq", head_dim, fp32).block_m
+    return fwd, dq, dkdv
 
 
 @functools.lru_cache(maxsize=64)  # a handful of page sizes per process; every paged or dense forward asks

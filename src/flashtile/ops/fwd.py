@@ -22,8 +22,9 @@ from ..config import block_d, tile_config
 from ..kernels.fwd import _attn_fwd_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, host_desc,
-                     schedule, schedule_step, tile_grid, tma_ready, unpack)
+from .common import (Plan, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, host_desc,
+                     list_blocks, plan_lists, schedule_step, self_attention, tile_grid, tma_ready, unpack,
+                     varlen_plan)
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
 from .launch import Static, head_dims, launch, prepare_launch, signature
@@ -67,6 +68,17 @@ def attention_fwd(
     With block_table (varlen only), k and v are paged caches (num_blocks, page_size, Hk, D) read without TMA, so
     they are neither copied nor aligned here.
     """
+    out, lse, _ = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing)
+    return out, lse
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, max_seqlen_q,
+            max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing,
+            for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[Plan]]:
+    """attention_fwd's implementation; also returns a varlen call's plan (ops/common.varlen_plan, else None). With
+    `for_backward` that plan also holds the lists the backward's kernels read where one plan can (self-attention,
+    lists of one block: Note [one plan per step] in ops/bwd.py), so that the backward launches none."""
     paged = block_table is not None
     if not paged:
         k, v = (None if t is None else tma_ready(t) for t in (k, v))
@@ -79,25 +91,32 @@ def attention_fwd(
         out.zero_()
         lse.fill_(float("inf"))
     if out.numel() == 0:
-        return out, lse
+        return out, lse, None
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    gluon = k.numel() > 0 and hopper_unsupported(q.device, q.dtype, head_dim, paged=paged,
+                                                 seqused=seqused_q is not None or seqused_k is not None,
+                                                 softcap=softcap, alibi=alibi_slopes is not None) is None
+    plan = None
     if varlen:
         # The kernel reads each sequence's lengths; max_seqlen_q/k size nothing (Note [varlen tile list]). Its
         # seqlen arguments carry the bounds that those lengths are clamped to (kernels/seqlen.py: seq_info).
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
         seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
-        order = schedule(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, not paged)
+        fwd_block, dq_block, dkdv_block = list_blocks(head_dim, q.dtype == torch.float32, gluon)
+        lists = (plan_lists(fwd_block, dq_block, dkdv_block)
+                 if for_backward and self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q,
+                                                    seqlen_k) else None)
+        lists = lists or (fwd_block, bool(fwd_block), False)
+        plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,
+                           cost_packed=not paged)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        order = None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    if k.numel() > 0 and hopper_unsupported(q.device, q.dtype, head_dim, paged=paged,
-                                            seqused=seqused_q is not None or seqused_k is not None, softcap=softcap,
-                                            alibi=alibi_slopes is not None) is None:
+    if gluon:
         # Note [hopper path] in ops/hopper.py
-        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, order)
+        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, plan)
         record("fwd", HOPPER_PATH)
-        return out, lse
+        return out, lse, plan
     record("fwd", TRITON)
     # Note [host descriptors]: a dense batch's sequences all end at row S, so one descriptor per tensor, built
     # here and passed as a kernel parameter, bounds every sequence, in place of descriptors built per program on
@@ -141,10 +160,10 @@ def attention_fwd(
            window_left, window_right, softcap > 0.0)
     prepare_launch(q)
     launch(_attn_fwd_kernel, "fwd", head_dim, q.dtype == torch.float32, key,
-           (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, order, block_table,
-            qk_scale, softcap2),
+           (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            None if plan is None else plan.schedule, block_table, qk_scale, softcap2),
            static, pre_hook=_FWD_BLOCKS)
-    return out, lse
+    return out, lse, plan
 
 
 @attention_fwd.register_fake

@@ -15,7 +15,7 @@ The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a 
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
 box, where the persistent programs take (sequence, head, tile) items from a work counter over a list written once per
-call (common.varlen_grid, in the order of Note [longest sequences first]; Notes [persistent varlen forward] and
+call (common.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent varlen forward] and
 [persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors] in
 kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
 of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
@@ -31,7 +31,7 @@ import torch
 from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
-from .common import capability, sm_count, tma_strides, varlen_counter, varlen_grid
+from .common import Plan, capability, sm_count, tma_strides
 from .launch import launch_fixed, signature
 
 try:
@@ -115,9 +115,9 @@ def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
-        cu_seqlens_k=None, order=None) -> None:
+        cu_seqlens_k=None, plan: Optional[Plan] = None) -> None:
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
-    its cu_seqlens and `schedule`'s launch order (ops/fwd.py)."""
+    its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py)."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
     constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
@@ -135,20 +135,20 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0, 0, 0)
     else:
         # Persistent (Note [persistent varlen forward] in kernels/hopper_fwd.py): one program per SM over the
-        # (tile list entry, head) items; the list's writer also zeroes the work counter.
-        tiles, list_grid = varlen_grid(order, q.shape[0], 2 * cfg.block_m, True, nheads, counter=True)
-        n_items = list_grid[1] * list_grid[2] * nheads
+        # (tile list entry, head) items; the plan's writer zeroed the work counter.
+        assert plan.has(2 * cfg.block_m, 0)
+        n_items = plan.last_first.shape[0] * nheads
         grid = (min(n_items, programs), 1, 1)
-        dynamic = (*descs, out, lse, tiles, cu_seqlens_q, cu_seqlens_k, varlen_counter(tiles), qk_scale)
+        dynamic = (*descs, out, lse, plan.last_first, cu_seqlens_q, cu_seqlens_k, plan.counters[0], qk_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2], n_items,
                   nheads)
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
-             window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, order=None) -> None:
-    """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with the
-    key side's launch order (ops/bwd.py)."""
+             window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None) -> None:
+    """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with a
+    plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py)."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
     descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
@@ -165,11 +165,11 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         # Persistent (Note [persistent varlen dK/dV] in kernels/hopper_bwd.py), as the forward.
         programs = sm_count(q.device)
         key += (programs,)
-        tiles, list_grid = varlen_grid(order, k.shape[0], 2 * cfg.block_n, False, nheads_kv, counter=True)
-        n_items = list_grid[1] * list_grid[2] * nheads_kv
+        assert plan.has(0, 2 * cfg.block_n)
+        n_items = plan.first_first.shape[0] * nheads_kv
         grid = (min(n_items, programs), 1, 1)
-        dynamic = (*descs, dk, dv, lse, delta, tiles, cu_seqlens_q, cu_seqlens_k, varlen_counter(tiles), qk_scale,
-                   softmax_scale)
+        dynamic = (*descs, dk, dv, lse, delta, plan.first_first, cu_seqlens_q, cu_seqlens_k, plan.counters[1],
+                   qk_scale, softmax_scale)
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *dk.stride()[:2],
                   *dv.stride()[:2], n_items, nheads_kv)
     launch_fixed(_hopper_dkdv_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
