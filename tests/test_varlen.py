@@ -333,6 +333,8 @@ def test_tile_list(device, monkeypatch, many, last_first):
             want += [(b, t) for t in (tiles[::-1] if last else tiles)]
         return want
 
+    order, rows = plan.schedule.tolist()
+    assert sorted(order) == list(range(batch)) and rows == [int(lengths[b]) for b in order]
     # Each list written out, then (-1, -1) up to the grid's entries.
     for last, written in ((False, plan.first_first), (True, plan.last_first)):
         want = tiles_in_order(last)
