@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -173,7 +173,7 @@ def dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 
 def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, q, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, dropout_p, varlen) -> AttnProblem:
+            window_size, softcap, alibi_slopes, dropout_p, varlen, paged=False) -> AttnProblem:
     if head_dim_k != head_dim:
         raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -187,7 +187,7 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
     check_alibi(alibi_slopes, batch, nheads, q.device)
     left, right = normalize_window(causal, window_size)
     return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q.dtype, softmax_scale,
-                       left, right, float(softcap), alibi_slopes is not None, varlen)
+                       left, right, float(softcap), alibi_slopes is not None, varlen, paged)
 
 
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -230,9 +230,8 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         lengths_k = _check_seqused("seqused_k", seqused_k, lengths_k, max_seqlen_k, "max_seqlen_k")
         if paged:
             _check_block_table(block_table, lengths_k, k.shape[0], k.shape[1])
-    p = _common(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
-                causal, window_size, softcap, alibi_slopes, dropout_p, varlen=True)
-    return replace(p, paged=paged)
+    return _common(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, dropout_p, varlen=True, paged=paged)
 
 
 def _check_cu_seqlens(name: str, t, device) -> None:

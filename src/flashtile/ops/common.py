@@ -20,7 +20,6 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import env
@@ -70,6 +69,17 @@ def call(op, *args):
     if op.mutated:
         torch.autograd.graph.increment_version([args[i] for i in op.mutated])
     return result
+
+
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv for host code. Triton 3.6's is a constexpr function, and each call from Python costs a few µs
+    (its wrapper imports and unwraps its arguments): 20 µs of a varlen forward's host time on the CI machine."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for host code (see cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 # Packing of the custom ops' (q, k, v) arguments, so that packed entry points get one gradient buffer.
@@ -192,9 +202,9 @@ def tile_grid(block: int, seqlen: int, total: int, batch: int, heads: int, varle
     into z, and a program reads position z * Y + y (seqlen.tile_coords). The persistent Gluon kernels take only
     the list's bound from it (their items: hopper_common.work_item)."""
     if varlen:
-        n = triton.cdiv(total, block) + batch
-        return heads, min(n, limit), triton.cdiv(n, limit)
-    return triton.cdiv(seqlen, block), heads, batch
+        n = cdiv(total, block) + batch
+        return heads, min(n, limit), cdiv(n, limit)
+    return cdiv(seqlen, block), heads, batch
 
 
 class Plan(NamedTuple):
@@ -233,7 +243,8 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
         return -(-n // 4) * 4
 
     spans = [8, aligned(2 * batch)] + ([aligned(2 * entries)] * (last_first + first_first) if lists else [])
-    counters, sched, *written = torch.empty(sum(spans), dtype=torch.int32, device=cu_tiled.device).split(spans)
+    buf = torch.empty(sum(spans), dtype=torch.int32, device=cu_tiled.device)
+    counters, sched, *written = buf.split_with_sizes(spans)
     written = iter(w[:2 * entries].view(entries, 2) for w in written)
     plan = Plan(sched[:2 * batch].view(2, batch), block if lists else 0,
                 next(written) if lists and last_first else None, next(written) if lists and first_first else None,
@@ -244,7 +255,7 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
         launch_fixed(_plan_kernel, key, (batch + lists, 1, 1),
                      (cu_tiled, seqused_tiled, cu_cost, seqused_cost, plan.schedule, plan.last_first,
                       plan.first_first, plan.counters), (batch, bound_tiled, bound_cost, entries),
-                     dict(BLOCK_B=min(MAX_SORT, triton.next_power_of_2(max(batch, 1))), BLOCK=plan.block,
+                     dict(BLOCK_B=min(MAX_SORT, next_power_of_2(max(batch, 1))), BLOCK=plan.block,
                           HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
                           COST_PACKED=cost_packed), num_warps=4)
     return plan

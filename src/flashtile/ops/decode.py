@@ -19,7 +19,6 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 
 from .. import env
 from ..config import TileConfig, block_d
@@ -27,7 +26,7 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, custom_op, fast_divisor
+from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2
 from .launch import launch_opts
 from .fwd import logit_scales
 
@@ -105,9 +104,9 @@ def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, i
     """(BLOCK_M, BLOCK_T, num_m_tiles) for GROUP x Sq packed query rows. BLOCK_T bounds the tokens a tile spans;
     it is bucketed to a power of two so that Sq does not enter the compile key beyond that."""
     rows = group * seqlen_q
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
+    block_m = min(cfg.block_m, max(16, next_power_of_2(rows)))
     span = block_m // group if block_m % group == 0 else (block_m - 1) // group + 2
-    return block_m, min(span, triton.next_power_of_2(seqlen_q)), triton.cdiv(rows, block_m)
+    return block_m, min(span, next_power_of_2(seqlen_q)), cdiv(rows, block_m)
 
 
 def page_tiled(block_table: Optional[torch.Tensor], k_cache: torch.Tensor, block_n: int) -> bool:
@@ -181,7 +180,7 @@ def append_kv(
     if k.numel() == 0:
         return
     stride_cos, rotary_dim = _rotary_args(rotary_cos)
-    grid = (triton.cdiv(seqlen_new, APPEND_BLOCK_T), nheads_kv, batch)
+    grid = (cdiv(seqlen_new, APPEND_BLOCK_T), nheads_kv, batch)
     _append_kv_kernel[grid](
         k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -211,7 +210,7 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
         return
     small, large = COMBINE_BLOCK_R
     block_r = large if n_rows >= large * sm_count(out.device) else small
-    _combine_kernel[(triton.cdiv(n_rows, block_r),)](
+    _combine_kernel[(cdiv(n_rows, block_r),)](
         out_partials, lse_partials, out, lse,
         *out_partials.stride()[:4], *lse_partials.stride()[:4],
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
@@ -261,7 +260,7 @@ def decode(
     block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
     if num_splits == 0:
         num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
-                                     triton.cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device))
+                                     cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device))
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
