@@ -98,3 +98,14 @@ def test_varlen_lengths_are_not_part_of_the_key(device, monkeypatch, seqused):
     cached = launch.cache_info()
     run_varlen(device, [31, 20, 13], [9, 31, 24], causal=True, seqused=seqused, seed=1)
     assert launch.cache_info() == cached
+
+
+def test_host_integer_helpers_match_triton():
+    """ops/common's cdiv and next_power_of_2, which host code calls in place of Triton's (constexpr functions, a
+    few µs a call from Python), give Triton's values."""
+    import triton
+    from flashtile.ops.common import cdiv, next_power_of_2
+    for n in [0, 1, 2, 3, 7, 8, 9, 1000, 4096, 4097, 2**31 - 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in [1, 3, 64, 128, 65535]:
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
