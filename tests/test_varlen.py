@@ -358,6 +358,18 @@ def test_tile_list(device, monkeypatch, many, last_first):
     assert torch.equal(listed, out)
 
 
+def test_plan_lists_merge_only_lists_of_one_block():
+    """One plan holds the first wanted list and the later ones of its block (0: a kernel walking the schedule);
+    a list of another block is left to a plan of its own."""
+    from flashtile.ops.common import plan_lists
+    assert plan_lists((0, False)) == (0, False, False)
+    assert plan_lists((128, False)) == (128, True, False)
+    assert plan_lists((0, False), (32, False), (0, True)) == (32, True, False)  # Triton forward, dQ, Triton dK/dV
+    assert plan_lists((128, False), (128, False), (128, True)) == (128, True, True)  # the Hopper path
+    assert plan_lists((128, False), (64, False), (128, True)) == (128, True, True)
+    assert plan_lists((64, False), (128, True)) == (64, True, False)
+
+
 def test_backward_takes_the_forward_plan(device, monkeypatch):
     """Note [one plan per step]: an eager self-attention forward writes the backward's lists, so its backward plans
     nothing; a second backward (retain_graph) plans anew, as the op route (torch.compile's) always does, with the

@@ -110,9 +110,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         _, dq_block, dkdv_block = list_blocks(head_dim, fp32, gluon)
         self_attn = self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k)
         if plan is None or not plan.has(dq_block, 0):
-            lists = plan_lists(0, dq_block, dkdv_block) if self_attn else None
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
-                               *(lists or (dq_block, bool(dq_block), False)))
+                               *plan_lists((dq_block, False), *(((dkdv_block, True),) if self_attn else ())))
         # Self-attention: the same lengths on both sides, so the same order (Triton's dK/dV walks the schedule).
         plan_k = plan if self_attn and plan.has(0, dkdv_block) else varlen_plan(
             cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q, dkdv_block, False, bool(dkdv_block))

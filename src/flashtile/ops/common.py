@@ -267,14 +267,15 @@ def self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q: i
     return cu_seqlens_k is cu_seqlens_q and seqused_k is seqused_q and seqlen_k == seqlen_q
 
 
-def plan_lists(fwd: int, dq: int, dkdv: int) -> Optional[tuple[int, bool, bool]]:
-    """(block, last_first, first_first) for one plan serving the lists of these kernels (rows per tile; 0: the
-    kernel walks the schedule): the forward and dQ read last-first lists, dK/dV first-first. None when the blocks
-    differ, and two plans are needed."""
-    blocks = {rows for rows in (fwd, dq, dkdv) if rows}
-    if len(blocks) > 1:
-        return None
-    return (blocks.pop() if blocks else 0), bool(fwd or dq), bool(dkdv)
+def plan_lists(*wanted: tuple[int, bool]) -> tuple[int, bool, bool]:
+    """(block, last_first, first_first), varlen_plan's arguments for one plan holding the first of the `wanted`
+    lists that is one, and each later one of the same block. A wanted list is (rows per tile, 0 for a kernel that
+    walks the schedule; whether it is first tile first, dK/dV's order, or last tile first, the forward's and dQ's)."""
+    block, last_first, first_first = 0, False, False
+    for rows, first in wanted:
+        if rows and block in (0, rows):
+            block, last_first, first_first = rows, last_first or not first, first_first or first
+    return block, last_first, first_first
 
 
 def list_blocks(head_dim: int, fp32: bool, gluon: bool) -> tuple[int, int, int]:

@@ -103,10 +103,9 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
         seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
         fwd_block, dq_block, dkdv_block = list_blocks(head_dim, q.dtype == torch.float32, gluon)
-        lists = (plan_lists(fwd_block, dq_block, dkdv_block)
-                 if for_backward and self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q,
-                                                    seqlen_k) else None)
-        lists = lists or (fwd_block, bool(fwd_block), False)
+        backward = for_backward and self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q,
+                                                   seqlen_k)
+        lists = plan_lists((fwd_block, False), *(((dq_block, False), (dkdv_block, True)) if backward else ()))
         plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,
                            cost_packed=not paged)
     else:
