@@ -26,3 +26,7 @@ def test_production_configs_compile_for_sm90():
             assert (r["wgmma"] or r.get("dtype") == "fp32") and r["tma"], f"{r}: expected wgmma matmuls and TMA loads"
         if r["kernel"].startswith("hopper_"):
             assert r["setmaxnreg"], f"{r}: expected the warp-specialised partitions' register split"
+        if r.get("wgmma"):
+            # A serialised kernel waits for each wgmma before issuing the next: the Gluon forward 16-24% slower
+            # (PERF.md v18).
+            assert not r["wgmma_serialized"], f"{r}: ptxas serialised the wgmma"

@@ -11,6 +11,7 @@ forward+backward with --fwdbwd. Each line carries the kernel paths that ran and 
 and dv with --fwdbwd), which two trees that compute the same thing must agree on to within rounding.
 
 Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform]
+             [--window LEFT,RIGHT]
 """
 
 import argparse
@@ -36,8 +37,9 @@ def cases(only: str):
     return [c for name in only.split(",") for c in groups[name]] if only else dense + varlen
 
 
-def problem(b, s, causal: bool, gen):
-    """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time."""
+def problem(b, s, causal: bool, gen, window=(-1, -1)):
+    """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time. Under a sliding
+    window the flops are still the full (or causal) mask's: nominal, for comparing two trees only."""
     varlen = b in MIXES
     if varlen:
         lens = MIXES[b]
@@ -50,10 +52,11 @@ def problem(b, s, causal: bool, gen):
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     if varlen:
         def call(q, k, v):
-            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                                    window_size=window)
     else:
         def call(q, k, v):
-            return flashtile.flash_attn_func(q, k, v, causal=causal)
+            return flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window)
     return call, (q, k, v), flops * (0.5 if causal else 1.0)
 
 
@@ -62,10 +65,11 @@ def main() -> None:
     parser.add_argument("label")
     parser.add_argument("--fwdbwd", action="store_true", help="time forward + backward (FLOPs: 3.5x forward)")
     parser.add_argument("--only", default=None, help="comma-separated groups: dense, varlen, uniform")
+    parser.add_argument("--window", default="-1,-1", help="window_size as LEFT,RIGHT (nominal FLOPs)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, s, causal in cases(args.only):
-        call, leaves, flops = problem(b, s, causal, gen)
+        call, leaves, flops = problem(b, s, causal, gen, tuple(int(x) for x in args.window.split(",")))
         if args.fwdbwd:
             leaves = [t.requires_grad_() for t in leaves]
             dout = torch.randn(leaves[0].shape, device="cuda", dtype=leaves[0].dtype, generator=gen)

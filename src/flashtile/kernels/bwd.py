@@ -279,9 +279,11 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    # Each loop only where it has blocks: an empty pipelined loop still costs ~0.4 µs (its prologue's waits;
-    # H200 trace, PERF.md v15), and causal tiles have no masked front, unmasked ones often no masked tail.
-    if lo < full_lo:
+    # Each loop only where it can have blocks: an empty pipelined loop still costs ~0.4 µs (its prologue's waits;
+    # H200 trace, PERF.md v15). Only a window's left edge makes a masked front, and its loop is not under a runtime
+    # `if`: ptxas serialised every wgmma of the kernel when it was (the `if` yields dq from the loop's wgmma, whose
+    # registers get moved; PERF.md v18). Unmasked tiles often have no masked tail.
+    if MASK_LEFT:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, full_lo, seqlen_k, diag,
                            wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
                            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
