@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from flashtile.config import HOPPER, production_configs  # noqa: E402
+from flashtile.config import HOPPER, HOPPER_DENSE_ONLY, production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
 from flashtile.kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel  # noqa: E402
@@ -30,6 +30,7 @@ from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from flashtile.kernels.hopper_bwd import _hopper_dkdv_kernel  # noqa: E402
+from flashtile.kernels.hopper_dq import _hopper_dq_kernel  # noqa: E402
 from flashtile.kernels.hopper_fwd import _hopper_fwd_kernel  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
@@ -103,11 +104,13 @@ FLAG_SETS = {
 
 # The Gluon Hopper kernels (ops/hopper.py): tensor arguments -> the tile-config field giving their box rows, of the
 # host descriptors both dense and varlen batches pass for them.
-HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel}
+HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel, "bwd_dq": _hopper_dq_kernel}
 HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "K": "block_n", "V": "block_n", "DK": "block_n",
-                  "DV": "block_n"}
+                  "DV": "block_n", "DQ": "block_m"}
 # Output tensors a varlen batch also passes as pointers, for the partial last tile of a sequence.
 HOPPER_POINTERS = {"O_PTR", "DK_PTR", "DV_PTR"}
+# Tensors passed as pointers either way: the forward's output, which the dQ kernel reads for delta.
+HOPPER_DATA_POINTERS = {"OUT"}
 # (MASK_LEFT, MASK_RIGHT, IS_VARLEN): no mask, causal, sliding window; causal varlen.
 HOPPER_FLAGS = {"dense": (False, False, False), "causal": (False, True, False), "window": (True, True, False),
                 "varlen causal": (False, True, True)}
@@ -120,10 +123,15 @@ def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right:
     fn = HOPPER_KERNELS[kernel]
     consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, IS_VARLEN=varlen,
                   **cfg.kwargs())
+    if kernel in HOPPER_DENSE_ONLY:
+        assert not varlen, f"{kernel} takes dense batches only"
+        del consts["IS_VARLEN"]
     signature = {}
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
+        elif name in HOPPER_DATA_POINTERS:
+            signature[name] = "*bf16"
         elif name in HOPPER_POINTERS:
             signature[name] = "*bf16" if varlen else "constexpr"
             if not varlen:
@@ -190,6 +198,8 @@ def main(argv):
     for kernel, by_d in HOPPER.items():
         for d, cfg in by_d.items():
             for mask_name, (mask_left, mask_right, varlen) in HOPPER_FLAGS.items():
+                if varlen and kernel in HOPPER_DENSE_ONLY:
+                    continue
                 c = compile_hopper(kernel, d, cfg, mask_left, mask_right, varlen)
                 ptx = c.asm["ptx"]
                 row = {"kernel": f"hopper_{kernel}", "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.stages],

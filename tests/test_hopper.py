@@ -9,7 +9,7 @@ import torch
 
 import flashtile
 from flashtile import env
-from flashtile.config import HOPPER
+from flashtile.config import HOPPER, HOPPER_DENSE_ONLY
 from flashtile.ops import hopper
 
 CUDA = torch.device("cuda", 0)
@@ -91,7 +91,7 @@ def _captured_launch(monkeypatch, device, which, varlen):
 
     q_shape, kv_shape = ((sum(lens_q), 4, 128), (sum(lens_k), 2, 128)) if varlen else ((2, 100, 4, 128),
                                                                                         (2, 130, 2, 128))
-    q, out, dout = (tensor(*q_shape) for _ in range(3))
+    q, out, dout, dq = (tensor(*q_shape) for _ in range(4))
     k, v, dk, dv = (tensor(*kv_shape) for _ in range(4))
     if varlen:
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -105,10 +105,12 @@ def _captured_launch(monkeypatch, device, which, varlen):
         seq = ()
     if which == "fwd":
         hopper.fwd(q, k, v, out, lse, 0.1, -1, 0, *seq)
+    elif which == "bwd_dq":
+        hopper.bwd_dq(q, k, v, dout, dq, out, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0)
     else:
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
     (call,) = calls
-    return call, dict(q=q, k=k, v=v, out=out, dout=dout, dk=dk, dv=dv, lse=lse, plan=seq[-1] if varlen else None,
+    return call, dict(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, lse=lse, plan=seq[-1] if varlen else None,
                       lens=lens_q if which == "fwd" else lens_k)
 
 
@@ -118,6 +120,8 @@ def _captured_launch(monkeypatch, device, which, varlen):
 def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     """Each Gluon launch passes every kernel parameter once, constexprs as constexprs, and the integers by name:
     a launcher/kernel mismatch would otherwise first show on a GPU."""
+    if varlen and which in HOPPER_DENSE_ONLY:
+        pytest.skip(f"{which} takes dense batches only (varlen ones run the Triton kernel)")
     (kernel, grid, dynamic, static, constexprs), t = _captured_launch(monkeypatch, device, which, varlen)
     params = kernel.params
     assert len(dynamic) + len(static) + len(constexprs) == len(params)
@@ -127,7 +131,8 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     q, k = t["q"], t["k"]
     # Host descriptors, in the kernel's order, each over its tensor with its box, dense or varlen (Note [varlen
     # descriptors]).
-    order = {"fwd": ("q", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv")}[which]
+    order = {"fwd": ("q", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv"),
+             "bwd_dq": ("q", "k", "v", "dout", "dq")}[which]
     descs = [d for d in dynamic if hasattr(d, "block_shape")]
     assert [d.base for d in descs] == [t[n] for n in order]
     rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
@@ -136,11 +141,17 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     assert (ints["seqlen_q"], ints["seqlen_k"]) == ((q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1]))
     assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
     assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
-    assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128 and constexprs["IS_VARLEN"] == varlen
+    assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128
+    assert constexprs["IS_VARLEN"] == varlen if which not in HOPPER_DENSE_ONLY else "IS_VARLEN" not in constexprs
+    named = dict(zip((p.name for p in params), dynamic))
+    if which == "bwd_dq":
+        # The forward's output, read for delta, by pointer with its (batch, row, head) strides; LSE and delta.
+        assert named["OUT"] is t["out"] and named["LSE"] is t["lse"] and named["DELTA"].shape == t["lse"].shape
+        assert (ints["stride_ob"], ints["stride_om"], ints["stride_oh"]) == t["out"].stride()[:3]
     # A varlen batch also passes the output tensors themselves, with their strides, for a sequence's partial last
     # tile (parameter, tensor, stride prefix).
-    named = dict(zip((p.name for p in params), dynamic))
-    outputs = {"fwd": [("O_PTR", "out", "o")], "bwd_dkdv": [("DK_PTR", "dk", "dk"), ("DV_PTR", "dv", "dv")]}[which]
+    outputs = {"fwd": [("O_PTR", "out", "o")], "bwd_dkdv": [("DK_PTR", "dk", "dk"), ("DV_PTR", "dv", "dv")],
+               "bwd_dq": []}[which]
     for param, name, prefix in outputs:
         assert named[param] is (t[name] if varlen else None), param
         strides = (ints[f"stride_{prefix}m"], ints[f"stride_{prefix}h"])

@@ -111,15 +111,20 @@ class HopperConfig:
 
 _HOPPER_FWD = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 x in-warpgroup overlap on/off at S=1k/4k/16k, "
                "causal and not; 3 stages with overlap fastest in all six (PERF.md, S7-0)")
+_HOPPER_DQ = ("the v8 Gluon dQ's tile (BLOCK_N = BLOCK_M: the consumers' ranges differ by whole key blocks), "
+              "3 stages as dK/dV; measured on H200, 2026-11-30, triton 3.6, against the Triton dQ (PERF.md, v18)")
 _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k/16k; 3 faster at 1k and 16k, "
                 "even at 4k, 1.5% slower at 1k causal (PERF.md, S7-0)")
 
 # Gluon Hopper kernels, sm_90 only: kernel -> head dim (exact: others run the Triton kernels) -> config. d128 only:
 # at d64 the same structure ran the standard sweep's S=1k forward slower than the Triton kernel (PERF.md, S7-1).
+# bwd_dq runs dense batches only (HOPPER_DENSE_ONLY): varlen ones run the Triton dQ kernel.
 HOPPER: dict[str, dict[int, HopperConfig]] = {
     "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD)},
     "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV)},
+    "bwd_dq": {128: HopperConfig(64, 64, 3, source=_HOPPER_DQ)},
 }
+HOPPER_DENSE_ONLY = frozenset({"bwd_dq"})
 
 
 def block_d(head_dim: int) -> int:

@@ -97,7 +97,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     dout = tma_ready(dout)
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     fp32 = q.dtype == torch.float32
-    # The Gluon dK/dV kernel (Note [hopper path] in ops/hopper.py) runs after the dQ kernel, without the handoff.
+    # The Gluon kernels (Note [hopper path] in ops/hopper.py): dK/dV runs after the dQ kernel (Gluon for a dense
+    # batch, Triton for a varlen one), without the handoff.
     gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
                                softcap=softcap, alibi=alibi_slopes is not None) is None
     plan_k = None
@@ -162,11 +163,15 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
            window_left, window_right, softcap > 0.0, packing, pdl, listed, gluon)
     prepare_launch(q)
-    launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
-           (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
-            None if plan is None else plan.last_first if listed else plan.schedule, *scalars),
-           lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
-    record("bwd_dq", TRITON)
+    if gluon and not varlen:  # the Gluon dQ kernel takes dense batches (Note [hopper path] in ops/hopper.py)
+        hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right)
+        record("bwd_dq", HOPPER_PATH)
+    else:
+        launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
+               (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
+                None if plan is None else plan.last_first if listed else plan.schedule, *scalars),
+               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
+        record("bwd_dq", TRITON)
     if gluon:
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
                         cu_seqlens_q, cu_seqlens_k, plan_k)

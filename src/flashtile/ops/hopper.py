@@ -1,15 +1,16 @@
 """The Hopper fast path: which calls run the Gluon kernels, and their launchers.
 
-Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's dK/dV pass run warp-specialised Gluon
-kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA
-producer warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim
-128 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows; everything
-else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
-Triton kernels, and the backward's dQ pass always does (a Gluon dQ kernel of the same structure measured 3-6%
-slower over forward+backward at S >= 4k and on varlen batches: PERF.md, session 8). `hopper_unsupported` is the
-one decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when
-the answer is no; `last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0
-switches the path off.
+Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
+(kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
+warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
+(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows, but for the dQ
+pass, whose Gluon kernel takes dense batches only (config.HOPPER_DENSE_ONLY): varlen batches run the Triton dQ
+kernel, whose varlen path is tuned (host descriptors over the packed tensors, a tile list) where the Gluon one
+is not yet persistent (PERF.md, v18). Everything else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or
+dtypes, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one decision: the ops
+ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no;
+`last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path
+off.
 
 The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
@@ -39,6 +40,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.hopper_bwd import _hopper_dkdv_kernel
+    from ..kernels.hopper_dq import _hopper_dq_kernel
     from ..kernels.hopper_fwd import _hopper_fwd_kernel
     _GLUON_ERROR = None
 except ImportError as e:  # a Triton without Gluon's Hopper API: every call runs the Triton kernels
@@ -143,6 +145,23 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2], n_items,
                   nheads)
     launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
+
+
+def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
+           window_right: int) -> None:
+    """dq and delta = rowsum(dout * out) of a dense (B, S, H, D) problem that hopper_unsupported accepts."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    cfg = HOPPER["bwd_dq"][head_dim]
+    descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
+             _desc(dq, cfg.block_m))
+    constexprs = _constexprs(cfg, q, k, window_left, window_right, False)
+    del constexprs["IS_VARLEN"]  # a dense-only kernel (config.HOPPER_DENSE_ONLY)
+    key = (signature(q, k, v, dout, dq, out, lse), window_left, window_right)
+    grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+    dynamic = (*descs, out, lse, delta, qk_scale, softmax_scale)
+    static = (lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), out.stride(2), seqlen_q, k.shape[1],
+              window_left, window_right)
+    launch_fixed(_hopper_dq_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
