@@ -95,8 +95,9 @@ CANDIDATES: dict[str, list[TileConfig]] = {
 
 @dataclass(frozen=True)
 class HopperConfig:
-    """A tile of the Gluon Hopper kernels (kernels/hopper_fwd.py, kernels/hopper_bwd.py): each consumer warpgroup's
-    rows (block_m queries or block_n keys), the ring depth, and the registers setmaxnreg gives the partitions."""
+    """A tile of the Gluon Hopper kernels (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py): each consumer
+    warpgroup's rows (block_m queries or block_n keys), the ring depth, and the registers setmaxnreg gives the
+    partitions."""
     block_m: int
     block_n: int
     stages: int

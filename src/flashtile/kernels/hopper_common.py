@@ -1,4 +1,4 @@
-"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_bwd.py) share: the barriers of their
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dq.py, hopper_bwd.py) share: the barriers of their
 producer/consumer ring, how they find and address a tile through TMA in a dense or a varlen batch, and the two
 places a varlen batch's packed layout needs more than a TMA box (Note [varlen descriptors] in hopper_fwd.py).
 Gluon only (sm_90).
