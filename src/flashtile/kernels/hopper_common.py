@@ -8,6 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from .masking import kv_block_range
 from .seqlen import seq_lengths
 
 
@@ -61,6 +62,23 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
         tma.async_copy_shared_to_global(desc, [row, h, 0], src)
     else:
         tma.async_copy_shared_to_global(desc, [b, row, h, 0], src)
+
+
+@gluon.jit
+def dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A dense program's 2 x BLOCK_M query rows (grid: query tiles, heads, sequences), the last tiles first (under
+    a causal mask they see the most keys), and their key blocks: (b, h, m_start, lo, full_lo, full_hi, n_blocks,
+    lse_off), kv_block_range's bounds and the offset of the (sequence, head)'s LSE row."""
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    m_start = pid_m * 2 * BLOCK_M
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
+                                              MASK_LEFT, MASK_RIGHT)
+    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    return b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off
 
 
 @gluon.jit

@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import ring_barriers, tile_buffers, tma_load, tma_store
+from .hopper_common import dense_query_tile, ring_barriers, tile_buffers, tma_load, tma_store
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
@@ -151,15 +151,8 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, OUT, LSE, DELTA, qk_scale, softmax_scale,
     B). OUT is the forward's output, a pointer (read once per row, for delta) with its (batch, row, head)
     strides; LSE and DELTA share theirs."""
     gl.static_assert(BLOCK_N == BLOCK_M, "the two consumers' ranges differ by whole key blocks")
-    # The last query tiles first: under a causal mask they see the most keys.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    m_start = pid_m * 2 * BLOCK_M
-    lo, _, _, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
-                                MASK_LEFT, MASK_RIGHT)
-    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh,
+                                                                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, False)
     do_s = tile_buffers(DO, 2, BLOCK_M, HEAD_DIM, False)

@@ -33,8 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, info_slots, publish_item, read_item, ring_barriers, store_rows, tile_buffers,
-                            tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (barrier_array, dense_query_tile, info_slots, publish_item, read_item, ring_barriers,
+                            store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LN2, apply_mask, kv_block_range
 
 
@@ -345,15 +345,8 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     (PERF.md, v10)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
     if not IS_VARLEN:
-        # The last query tiles first: under a causal mask they see the most keys (ops/fwd.py's launch order).
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        h = gl.program_id(1)
-        b = gl.program_id(2)
-        m_start = pid_m * 2 * BLOCK_M
-        lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
-                                                  MASK_LEFT, MASK_RIGHT)
-        n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off = dense_query_tile(
+            seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if IS_VARLEN:
         KS: gl.constexpr = STAGES - 1  # the second Q set takes one K slot's shared memory
         VS: gl.constexpr = STAGES
