@@ -87,8 +87,8 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run when they do
     not. The packed entry points follow the same rule for their q, k, v, and so do the varlen ones, but for the
     backward's dQ pass, which is Triton's for a varlen batch (and with seqused_q/k or a block_table every kernel
-    is). Arguments are validated as
-    flash_attn_func validates them; nothing is computed. `last_kernel_paths()` says what the last call ran.
+    is). Arguments are validated as flash_attn_func validates them; nothing is computed. `last_kernel_paths()`
+    says what the last call ran.
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, 0.0)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
