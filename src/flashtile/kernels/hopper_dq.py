@@ -24,8 +24,8 @@ Note [dQ update in its block]: with the update kept in flight into the next bloc
 and dP, as the forward keeps P V in flight under the softmax), the accumulators in flight outgrew what ptxas had
 registers for, and it serialised every wgmma of the kernel (C7512): the kernel was then 3-6% slower over forward
 + backward than the Triton dQ (PERF.md, S8-9). Waited for in its block, ptxas keeps the wgmma asynchronous, and
-the two consumer warpgroups still overlap one another's updates: on the H200 the same bits as the Triton dQ
-kernel, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (PERF.md, v18).
+the two consumer warpgroups still overlap one another's updates: on the H200, gradients whose checksums equal the
+Triton dQ kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (PERF.md, v18).
 
 Scope (ops/hopper.py, ops/bwd.py): dense batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
 windows. Varlen batches run the Triton dQ kernel (kernels/bwd.py); not softcap, ALiBi, seqused.
