@@ -125,11 +125,13 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
     ready = None if gluon else torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
-    # The dQ kernel streams K and V through host descriptors (ops/fwd.py, Note [host descriptors]), the dK/dV
+    # The Gluon dQ kernel takes dense batches (Note [hopper path] in ops/hopper.py); the Triton one streams K and V
+    # through host descriptors (ops/fwd.py, Note [host descriptors]), built only when it runs; the Triton dK/dV
     # kernel through descriptors it builds per (sequence, head).
+    gluon_dq = gluon and not varlen
     host = HOST_DESCRIPTORS and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
-    if host:
+    if host and not gluon_dq:
         block_n = tile_config("bwd_dq", head_dim, fp32).block_n
         kd, vd = host_desc(k, block_n), host_desc(v, block_n)
     else:
@@ -163,7 +165,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
            window_left, window_right, softcap > 0.0, packing, pdl, listed, gluon)
     prepare_launch(q)
-    if gluon and not varlen:  # the Gluon dQ kernel takes dense batches (Note [hopper path] in ops/hopper.py)
+    if gluon_dq:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right)
         record("bwd_dq", HOPPER_PATH)
     else:
