@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ..config import block_d, tile_config
+from ..config import HOPPER_DENSE_ONLY, block_d, tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
@@ -128,7 +128,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     # The Gluon dQ kernel takes dense batches (Note [hopper path] in ops/hopper.py); the Triton one streams K and V
     # through host descriptors (ops/fwd.py, Note [host descriptors]), built only when it runs; the Triton dK/dV
     # kernel through descriptors it builds per (sequence, head).
-    gluon_dq = gluon and not varlen
+    gluon_dq = gluon and not (varlen and "bwd_dq" in HOPPER_DENSE_ONLY)
     host = HOST_DESCRIPTORS and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
     if host and not gluon_dq:
