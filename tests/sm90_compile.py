@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from flashtile.config import HOPPER, HOPPER_DENSE_ONLY, production_configs  # noqa: E402
+from flashtile.config import HOPPER, production_configs  # noqa: E402
 from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel  # noqa: E402
 from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
 from flashtile.kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel  # noqa: E402
@@ -108,7 +108,7 @@ HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel, "b
 HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "K": "block_n", "V": "block_n", "DK": "block_n",
                   "DV": "block_n", "DQ": "block_m"}
 # Output tensors a varlen batch also passes as pointers, for the partial last tile of a sequence.
-HOPPER_POINTERS = {"O_PTR", "DK_PTR", "DV_PTR"}
+HOPPER_POINTERS = {"O_PTR", "DK_PTR", "DV_PTR", "DQ_PTR"}
 # Tensors passed as pointers either way: the forward's output, which the dQ kernel reads for delta.
 HOPPER_DATA_POINTERS = {"OUT"}
 # (MASK_LEFT, MASK_RIGHT, IS_VARLEN): no mask, causal, sliding window; causal varlen.
@@ -123,9 +123,6 @@ def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right:
     fn = HOPPER_KERNELS[kernel]
     consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, IS_VARLEN=varlen,
                   **cfg.kwargs())
-    if kernel in HOPPER_DENSE_ONLY:
-        assert not varlen, f"{kernel} takes dense batches only"
-        del consts["IS_VARLEN"]
     signature = {}
     for name in fn.arg_names:
         if name in consts:
@@ -198,8 +195,6 @@ def main(argv):
     for kernel, by_d in HOPPER.items():
         for d, cfg in by_d.items():
             for mask_name, (mask_left, mask_right, varlen) in HOPPER_FLAGS.items():
-                if varlen and kernel in HOPPER_DENSE_ONLY:
-                    continue
                 c = compile_hopper(kernel, d, cfg, mask_left, mask_right, varlen)
                 ptx = c.asm["ptx"]
                 row = {"kernel": f"hopper_{kernel}", "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.stages],

@@ -90,7 +90,6 @@ def test_pdl_backward_matches_serial(device, monkeypatch, head_dim, causal, nhea
 
 
 GLUON = {"fwd": "gluon-sm90", "bwd_dq": "gluon-sm90", "bwd_dkdv": "gluon-sm90"}
-GLUON_VARLEN = dict(GLUON, bwd_dq="triton")  # the Gluon dQ kernel takes dense batches (config.HOPPER_DENSE_ONLY)
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv): lengths off the kernels' 128-row tiles, one row, more queries
 # than keys (rows that see no key under a causal mask), GQA and MQA.
 HOPPER_CASES = [(2, 1, 1, 4, 4), (1, 17, 33, 4, 2), (2, 100, 300, 4, 1), (1, 300, 100, 4, 4),
@@ -173,7 +172,7 @@ def test_hopper_varlen(device, monkeypatch, lengths, mask, programs):
     causal, window = MASKS[mask]
     lens_q, lens_k = HOPPER_VARLEN[lengths]
     run_varlen(device, lens_q, lens_k, 8, 2, 128, torch.bfloat16, causal, window)
-    assert flashtile.last_kernel_paths() == GLUON_VARLEN
+    assert flashtile.last_kernel_paths() == GLUON
 
 
 def test_hopper_under_torch_compile(device):

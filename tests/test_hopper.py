@@ -9,7 +9,7 @@ import torch
 
 import flashtile
 from flashtile import env
-from flashtile.config import HOPPER, HOPPER_DENSE_ONLY
+from flashtile.config import HOPPER
 from flashtile.ops import hopper
 
 CUDA = torch.device("cuda", 0)
@@ -97,21 +97,22 @@ def _captured_launch(monkeypatch, device, which, varlen):
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
                       for n in (lens_q, lens_k))
         lse = torch.empty(4, q.shape[0], device=device)
-        fwd = which == "fwd"
-        tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if fwd else (cu_k, k.shape[0], cu_q, q.shape[0])
-        seq = (cu_q, cu_k, varlen_plan(tiled[0], None, tiled[1], tiled[2], None, tiled[3], 128, fwd, not fwd))
+        queries = which != "bwd_dkdv"  # the forward and dQ tile the query side, last tile first
+        tiled = (cu_q, q.shape[0], cu_k, k.shape[0]) if queries else (cu_k, k.shape[0], cu_q, q.shape[0])
+        seq = (cu_q, cu_k, varlen_plan(tiled[0], None, tiled[1], tiled[2], None, tiled[3], 128, queries,
+                                       not queries))
     else:
         lse = torch.empty(2, 4, 100, device=device)
         seq = ()
     if which == "fwd":
         hopper.fwd(q, k, v, out, lse, 0.1, -1, 0, *seq)
     elif which == "bwd_dq":
-        hopper.bwd_dq(q, k, v, dout, dq, out, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0)
+        hopper.bwd_dq(q, k, v, dout, dq, out, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
     else:
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, torch.empty_like(lse), 0.1, 0.07, -1, 0, *seq)
     (call,) = calls
     return call, dict(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, lse=lse, plan=seq[-1] if varlen else None,
-                      lens=lens_q if which == "fwd" else lens_k)
+                      lens=lens_k if which == "bwd_dkdv" else lens_q)
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
@@ -120,8 +121,6 @@ def _captured_launch(monkeypatch, device, which, varlen):
 def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     """Each Gluon launch passes every kernel parameter once, constexprs as constexprs, and the integers by name:
     a launcher/kernel mismatch would otherwise first show on a GPU."""
-    if varlen and which in HOPPER_DENSE_ONLY:
-        pytest.skip(f"{which} takes dense batches only (varlen ones run the Triton kernel)")
     (kernel, grid, dynamic, static, constexprs), t = _captured_launch(monkeypatch, device, which, varlen)
     params = kernel.params
     assert len(dynamic) + len(static) + len(constexprs) == len(params)
@@ -142,32 +141,33 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     assert (ints["stride_lb"], ints["stride_lh"]) == ((0, t["lse"].stride(0)) if varlen else t["lse"].stride()[:2])
     assert (ints["wl"], ints["wr"]) == (-1, 0) and constexprs["MASK_RIGHT"] and not constexprs["MASK_LEFT"]
     assert constexprs["GROUP"] == 2 and constexprs["HEAD_DIM"] == 128
-    assert constexprs["IS_VARLEN"] == varlen if which not in HOPPER_DENSE_ONLY else "IS_VARLEN" not in constexprs
+    assert constexprs["IS_VARLEN"] == varlen
     named = dict(zip((p.name for p in params), dynamic))
     if which == "bwd_dq":
         # The forward's output, read for delta, by pointer with its (batch, row, head) strides; LSE and delta.
         assert named["OUT"] is t["out"] and named["LSE"] is t["lse"] and named["DELTA"].shape == t["lse"].shape
-        assert (ints["stride_ob"], ints["stride_om"], ints["stride_oh"]) == t["out"].stride()[:3]
+        out_strides = (0, *t["out"].stride()[:2]) if varlen else t["out"].stride()[:3]
+        assert (ints["stride_ob"], ints["stride_om"], ints["stride_oh"]) == out_strides
     # A varlen batch also passes the output tensors themselves, with their strides, for a sequence's partial last
     # tile (parameter, tensor, stride prefix).
     outputs = {"fwd": [("O_PTR", "out", "o")], "bwd_dkdv": [("DK_PTR", "dk", "dk"), ("DV_PTR", "dv", "dv")],
-               "bwd_dq": []}[which]
+               "bwd_dq": [("DQ_PTR", "dq", "dq")]}[which]
     for param, name, prefix in outputs:
         assert named[param] is (t[name] if varlen else None), param
         strides = (ints[f"stride_{prefix}m"], ints[f"stride_{prefix}h"])
         assert strides == (t[name].stride()[:2] if varlen else (0, 0)), param
     if varlen:
         # Persistent: one program per SM (7 here) over the items, one per head (KV head for dK/dV) and entry of the
-        # plan's tile list (which covers every query or key tile: the forward's last tile first, dK/dV's first
-        # first), and the plan's work counter for that list, 16 bytes aligned.
+        # plan's tile list (which covers every query or key tile: the forward's and dQ's last tile first, dK/dV's
+        # first first), and the kernel's own work counter in the plan, 16 bytes aligned.
         plan = t["plan"]
-        tiles = plan.last_first if which == "fwd" else plan.first_first
+        tiles = plan.first_first if which == "bwd_dkdv" else plan.last_first
         entries = tiles.shape[0]
         heads = 2 if which == "bwd_dkdv" else 4
         assert named["TILES"] is tiles and entries >= -(-sum(t["lens"]) // 128) + 3
         assert (ints["n_items"], ints["heads"]) == (heads * entries, heads) and grid == (7, 1, 1)
         counter = named["COUNTER"]
-        assert counter.data_ptr() == plan.counters[0 if which == "fwd" else 1].data_ptr()
+        assert counter.data_ptr() == plan.counters[{"fwd": 0, "bwd_dkdv": 1, "bwd_dq": 2}[which]].data_ptr()
         assert counter.data_ptr() % 16 == 0 and counter.tolist() == [0] * 4
     else:
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])

@@ -339,7 +339,7 @@ def test_tile_list(device, monkeypatch, many, last_first):
     for last, written in ((False, plan.first_first), (True, plan.last_first)):
         want = tiles_in_order(last)
         assert [tuple(row) for row in written.tolist()] == want + [(-1, -1)] * (programs - len(want))
-    assert plan.counters.tolist() == [[0] * 4] * 2
+    assert plan.counters.tolist() == [[0] * 4] * 4
     assert all(t.data_ptr() % 16 == 0 for t in (*plan.counters, plan.last_first, plan.first_first))
     # tile_coords walking the schedule finds the same tiles (in one order per case: the walk is slow under the
     # interpreter), and so does tile_coords reading the list (LISTED, the dQ kernel's way).

@@ -119,13 +119,11 @@ _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k
 
 # Gluon Hopper kernels, sm_90 only: kernel -> head dim (exact: others run the Triton kernels) -> config. d128 only:
 # at d64 the same structure ran the standard sweep's S=1k forward slower than the Triton kernel (PERF.md, S7-1).
-# bwd_dq runs dense batches only (HOPPER_DENSE_ONLY): varlen ones run the Triton dQ kernel.
 HOPPER: dict[str, dict[int, HopperConfig]] = {
     "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD)},
     "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV)},
     "bwd_dq": {128: HopperConfig(64, 64, 3, source=_HOPPER_DQ)},
 }
-HOPPER_DENSE_ONLY = frozenset({"bwd_dq"})
 
 
 def block_d(head_dim: int) -> int:

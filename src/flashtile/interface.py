@@ -85,10 +85,9 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
     warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run when they do
-    not. The packed entry points follow the same rule for their q, k, v, and so do the varlen ones, but for the
-    backward's dQ pass, which is Triton's for a varlen batch (and with seqused_q/k or a block_table every kernel
-    is). Arguments are validated as flash_attn_func validates them; nothing is computed. `last_kernel_paths()`
-    says what the last call ran.
+    not. The packed and varlen entry points follow the same rule for their q, k, v (varlen with seqused_q/k or a
+    block_table runs the Triton kernels). Arguments are validated as flash_attn_func validates them; nothing is
+    computed. `last_kernel_paths()` says what the last call ran.
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, 0.0)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(

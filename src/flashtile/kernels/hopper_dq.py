@@ -2,10 +2,12 @@
 structure of kernels/hopper_fwd.py. It also writes delta = rowsum(dO * O), which the dK/dV kernel (hopper_bwd.py),
 launched after it on the same stream, reads.
 
-One program computes dQ for 2 x BLOCK_M query rows of one (sequence, head) of a dense batch:
+One program computes dQ for 2 x BLOCK_M query rows of one (sequence, head); a varlen program is persistent and
+computes one such item after another (Note [persistent varlen dQ]):
 
   loader partition (1 warp)            TMA: both consumers' Q and dO tiles once, then K_j and V_j into a ring of
                                        STAGES slots; it waits on a slot's `empty` barrier before refilling it
+                                       (and, varlen, zeroes the rows past the sequence in its last block: below)
   two consumer partitions (4 warps)    one BLOCK_M-row tile each: first delta from dO (shared memory) and O (pointer
                                        loads), then per key block of its own rows' range:
                                          issue S_j = Q K_jᵀ and dP_j = dO V_jᵀ; wait for S_j only
@@ -17,8 +19,23 @@ The dQ update is waited for in its own block (Note [dQ update in its block]). Th
 kv_block_range's for its 2 x BLOCK_M rows; each consumer computes only the blocks of its own rows' range and passes
 over the others (it still waits for and releases their slots), so under a causal mask the upper consumer does not
 spend a block on keys its rows cannot see. Blocks its rows only partly see run with apply_mask (keys past seqlen_k
-included). Rows past seqlen_q read lse = +inf: their probabilities are 0, and the descriptors, which end where the
-sequence does, drop their dQ rows.
+included). Rows past seqlen_q read lse = +inf: their probabilities are 0, and their dQ rows are not stored (a dense
+batch's descriptors end where the sequence does; a varlen sequence's partial last tile goes through
+hopper_common.store_rows). A varlen batch's descriptors run over the packed tensors (Note [varlen descriptors] in
+hopper_fwd.py): query and dO rows past the sequence only reach their own rows of dQ, but key and value rows past
+it would reach every row (0 x inf in dS K and in dO Vᵀ's dS), so the loader lands the block the sequence ends in
+on a barrier of its own, zeroes those rows of K and V (zero_rows_from) and only then releases the slot, as the
+dK/dV loader does for Q and dO.
+
+Note [persistent varlen dQ]: the forward's and dK/dV's persistence (Notes [persistent varlen forward] in
+hopper_fwd.py and [persistent varlen dK/dV] in hopper_bwd.py) for the dQ pass. One program per SM takes (sequence,
+head, query tile) items from a work counter over the plan's last-first list of 2 x BLOCK_M-row tiles (the
+forward's list; counters[2] of ops/common.Plan); two sets of Q/dO buffers, item r in set r % 2, so that the next
+item's Q and dO load under the current one's key blocks; the loader describes each item in shared memory
+(hopper_common.publish_item); the K/V ring runs on from item to item. A consumer stages dQ in its Q buffer and
+leaves the store in flight; at its next item it waits for that store and hands the set back (`q_free`). What it
+hides: a Triton dQ program's fixed cost besides its key blocks, the held tiles' loads, delta and the store, ~5 µs
+(PERF.md, v15), which the 16-sequence mix pays on twice as many programs per FLOP as dense 4k.
 
 Note [dQ update in its block]: with the update kept in flight into the next block (issued behind that block's S
 and dP, as the forward keeps P V in flight under the softmax), the accumulators in flight outgrew what ptxas had
@@ -27,8 +44,8 @@ registers for, and it serialised every wgmma of the kernel (C7512): the kernel w
 the two consumer warpgroups still overlap one another's updates: on the H200, gradients whose checksums equal the
 Triton dQ kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (PERF.md, v18).
 
-Scope (ops/hopper.py, ops/bwd.py): dense batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
-windows. Varlen batches run the Triton dQ kernel (kernels/bwd.py); not softcap, ALiBi, seqused.
+Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any
+lengths, causal and sliding windows. Not softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon
@@ -36,55 +53,127 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import dense_query_tile, ring_barriers, tile_buffers, tma_load, tma_store
+from .hopper_common import (barrier_array, dense_query_tile, info_slots, publish_item, read_item, ring_barriers,
+                            store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, b, h, hk, m_start, lo,
-            n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, hk, m_start,
+               lo, n_blocks, q_row0, k_row0, seqlen_k, it0, q0, n_landed, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The loads of one work item: both consumers' Q and dO tiles into buffers q0 and q0 + 1, then its key blocks
+    into the K/V ring from position it0. q_row0 and k_row0: where the sequence's rows start in the packed tensors
+    (varlen; 0 for a dense batch). n_landed counts the blocks landed on `landed` before this item (its phase);
+    returns the count after it."""
     for c in gl.static_range(2):
-        bar = held.index(c)
+        bar = held.index(q0 + c)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma_load(q_desc, b, m_start + c * BLOCK_M, h, bar, q_s.index(c), False)
-        tma_load(do_desc, b, m_start + c * BLOCK_M, h, bar, do_s.index(c), False)
+        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, bar, q_s.index(q0 + c), IS_VARLEN)
+        tma_load(do_desc, b, q_row0 + m_start + c * BLOCK_M, h, bar, do_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
-        slot = j % STAGES
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
-        bar = ready.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, b, lo + j * BLOCK_N, hk, bar, k_s.index(slot), False)
-        tma_load(v_desc, b, lo + j * BLOCK_N, hk, bar, v_s.index(slot), False)
+        it = it0 + j
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
+        n0 = lo + j * BLOCK_N
+        if IS_VARLEN and n0 + BLOCK_N > seqlen_k:
+            # The block the sequence ends in (the item's last): it lands on `landed`, this warp zeroes the next
+            # sequence's rows of K and V, then releases it.
+            mbarrier.expect(landed, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, b, k_row0 + n0, hk, landed, k_s.index(slot), IS_VARLEN)
+            tma_load(v_desc, b, k_row0 + n0, hk, landed, v_s.index(slot), IS_VARLEN)
+            mbarrier.wait(landed, n_landed & 1)
+            n_landed += 1
+            zero_rows_from(k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - n0, BLOCK_N, HEAD_DIM, 1)
+            zero_rows_from(v_s.index(slot).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - n0, BLOCK_N, HEAD_DIM, 1)
+            mbarrier.arrive(ready.index(slot), count=1)
+        else:
+            bar = ready.index(slot)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, b, k_row0 + n0, hk, bar, k_s.index(slot), IS_VARLEN)
+            tma_load(v_desc, b, k_row0 + n0, hk, bar, v_s.index(slot), IS_VARLEN)
+    return n_landed
 
 
 @gluon.jit
-def _pass_over(j0, j1, ready, empty, STAGES: gl.constexpr):
-    """Blocks [j0, j1) of the ring that this consumer does not compute: it waits for each slot's fill (an arrival
-    before it would complete the slot's phase while the other consumer may still read it) and releases it."""
-    for j in range(j0, j1):
-        mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.arrive(empty.index(j % STAGES), count=1)
+def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, hk, m_start, lo,
+            n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """A dense program's loader: its one item."""
+    _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, hk, m_start,
+               lo, n_blocks, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False)
 
 
 @gluon.jit
-def _delta(do_t, O, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, q_free, info, ready, empty, landed,
+                   COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A persistent varlen program's loader (Note [persistent varlen dQ]): it takes the next item from the work
+    counter, describes it to the consumers in info slot r % 2 and loads its Q and dO into set r % 2 (its r-th
+    item), once both consumers have handed that set back; the K/V ring runs on from item to item. The first item
+    past the list is published invalid, which ends the program."""
+    it0 = 0
+    r = 0
+    n_landed = 0
+    done = False
+    while not done:
+        w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
+        valid, b, h, tile, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
+                                                              CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k,
+                                                              2 * BLOCK_M, True, False)
+        valid = valid & (w < n_items)
+        m_start = tile * 2 * BLOCK_M
+        lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+        qset = r % 2
+        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
+        mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
+        mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
+        publish_item(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
+        if valid:
+            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed,
+                                  0, h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, 2 * qset,
+                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True)
+            it0 += n_blocks
+        else:  # no Q to load: a plain arrival completes the consumers' wait
+            mbarrier.arrive(held.index(2 * qset), count=1)
+            mbarrier.arrive(held.index(2 * qset + 1), count=1)
+            done = True
+        r += 1
+
+
+@gluon.jit
+def _pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
+    """Ring positions [it_from, it_to) that this consumer does not compute: it waits for each slot's fill (an
+    arrival before it would complete the slot's phase while the other consumer may still read it) and releases
+    it."""
+    for it in range(it_from, it_to):
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
+def _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
            row_layout: gl.constexpr):
     """rowsum(dO * O) of this consumer's rows m0 .. m0 + BLOCK_M - 1, in row_layout; 0 for rows past seqlen_q. dO
     comes from shared memory, O (read nowhere else) by pointer loads."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
-    ptrs = O + o_off + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    ptrs = OUT + o_off + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
     o = gl.load(ptrs, mask=gl.expand_dims(rows < seqlen_q, 1), other=0.0).to(gl.float32)
     do = do_t.load(blk).to(gl.float32)
     return gl.convert_layout(gl.sum(o * do, 1), row_layout)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dq_desc, O, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
-              n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ready, empty, b, h,
+                  m_start, lo, n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale,
+                  softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  IS_VARLEN: gl.constexpr):
+    """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
+    ring position it0. A varlen (persistent) consumer leaves its dQ store in flight."""
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -95,26 +184,26 @@ def _consumer(c: gl.constexpr, dq_desc, O, LSE, DELTA, q_s, do_s, k_s, v_s, held
     diag = seqlen_k - seqlen_q
     m0 = m_start + c * BLOCK_M
     rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
-    q_t = q_s.index(c).reshape([BLOCK_M, HEAD_DIM])
-    do_t = do_s.index(c).reshape([BLOCK_M, HEAD_DIM])
-    # This consumer's own key blocks: a contiguous part [j0, j1) of the program's, whose mask-free part is
+    q_t = q_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
+    do_t = do_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
+    # This consumer's own key blocks: a contiguous part [j0, j1) of the item's, whose mask-free part is
     # [own_full_lo, own_full_hi) (kv_block_range for its BLOCK_M rows).
     own_lo, own_full_lo, own_full_hi, own_hi = kv_block_range(m0, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N,
                                                               MASK_LEFT, MASK_RIGHT)
     j0 = gl.minimum(gl.maximum((own_lo - lo) // BLOCK_N, 0), n_blocks)
     j1 = gl.minimum(gl.maximum((own_hi - lo + BLOCK_N - 1) // BLOCK_N, j0), n_blocks)
     j1 = gl.where(m0 < seqlen_q, j1, j0)  # rows all past the sequence (the last tile's upper half): no work
-    mbarrier.wait(held.index(c), 0)
-    delta = _delta(do_t, O, o_off, stride_om, m0, seqlen_q, HEAD_DIM, BLOCK_M, row_layout)
+    delta = _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM, BLOCK_M, row_layout)
     gl.store(DELTA + lse_off + rows, delta, mask=rows < seqlen_q)
     lse2 = gl.load(LSE + lse_off + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    _pass_over(0, j0, ready, empty, STAGES)
+    _pass_over(it0, it0 + j0, ready, empty, STAGES)
     for j in range(j0, j1):
-        slot = j % STAGES
+        it = it0 + j
+        slot = it % STAGES
         n0 = lo + j * BLOCK_N
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         k_t = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
         v_t = v_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -132,40 +221,115 @@ def _consumer(c: gl.constexpr, dq_desc, O, LSE, DELTA, q_s, do_s, k_s, v_s, held
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # Note [dQ update in its block]
         mbarrier.arrive(empty.index(slot), count=1)  # this consumer has read K_j and V_j
-    _pass_over(j1, n_blocks, ready, empty, STAGES)
-    if m0 < seqlen_q:  # else no row of this tile is in the sequence
-        q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the TMA store
+    _pass_over(it0 + j1, it0 + n_blocks, ready, empty, STAGES)
+    if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
+        q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the store
         fence_async_shared()
-        tma_store(dq_desc, b, m0, h, q_s.index(c), False)
-        tma.store_wait(pendings=0)
+        if IS_VARLEN and m0 + BLOCK_M > seqlen_q:  # a box would also write the next sequence's rows
+            store_rows(DQ_PTR, q_t, q_row0 + m0, seqlen_q - m0, h, stride_dqm, stride_dqh, BLOCK_M, HEAD_DIM)
+        else:
+            tma_store(dq_desc, b, q_row0 + m0, h, q_s.index(qi), IS_VARLEN)
+            if not IS_VARLEN:
+                tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, dq_desc, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
+              n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A dense program's consumer c: its one item."""
+    mbarrier.wait(held.index(c), 0)
+    _consume_item(c, dq_desc, None, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ready, empty, b, h, m_start, lo, n_blocks,
+                  o_off, stride_om, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, 0, 0, 0, c,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, False)
+
+
+@gluon.jit
+def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info,
+                     ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm,
+                     stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
+    in Q/dO set and info slot r % 2), until one is invalid. Once an item's Q and dO have landed, it waits for the
+    previous item's dQ store to have read its staging buffer (the other set's) and hands that buffer back."""
+    it0 = 0
+    r = 0
+    done = False
+    while not done:
+        qset = r % 2
+        qi = 2 * qset + c
+        mbarrier.wait(held.index(qi), (r // 2) & 1)
+        valid, h, m_start, q_row0, sq, sk, lo, n_blocks, _, _, _ = read_item(info.index(qset))
+        if r > 0:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_free.index(qi ^ 2), count=1)
+        if valid:
+            h64 = h.to(gl.int64)
+            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ready, empty, 0, h, m_start, lo,
+                          n_blocks, q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om,
+                          h64 * stride_lh + q_row0, q_row0, sq, sk, wl, wr, qk_scale, softmax_scale, stride_dqm,
+                          stride_dqh, it0, qi, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, True)
+            it0 += n_blocks
+        else:
+            done = True
+        r += 1
+    tma.store_wait(pendings=0)  # the last store has read its buffer before the program's shared memory goes
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dq_kernel(Q, K, V, DO, DQ, OUT, LSE, DELTA, qk_scale, softmax_scale,
-                      stride_lb, stride_lh, stride_ob, stride_om, stride_oh, seqlen_q, seqlen_k, wl, wr,
+def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
+                      qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, seqlen_q,
+                      seqlen_k, wl, wr, stride_dqm, stride_dqh, n_items, heads,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Q, K, V, DO, DQ are host descriptors over (B, S, H, D) and the grid is (query tiles of 2 x BLOCK_M rows, H,
-    B). OUT is the forward's output, a pointer (read once per row, for delta) with its (batch, row, head)
-    strides; LSE and DELTA share theirs."""
+                      MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                      LOADER_REGS: gl.constexpr):
+    """Q, K, V, DO, DQ are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
+    2 x BLOCK_M rows, H, B) and which leaves DQ_PTR, TILES, CU_SEQLENS, COUNTER, the dQ strides, n_items and heads
+    unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid
+    is one program per SM (at most n_items), persistent over the n_items = heads x tile-list entries work items
+    (Note [persistent varlen dQ]; TILES the plan's last-first list of 2 x BLOCK_M-row tiles, COUNTER its zeroed
+    work counter). OUT is the forward's output, a pointer (read once per row, for delta) with its (batch, row,
+    head) strides; LSE and DELTA share theirs. DQ_PTR is dQ's tensor, for the last tile of a varlen sequence."""
     gl.static_assert(BLOCK_N == BLOCK_M, "the two consumers' ranges differ by whole key blocks")
-    b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh,
-                                                                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, False)
-    do_s = tile_buffers(DO, 2, BLOCK_M, HEAD_DIM, False)
-    k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, False)
-    v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, False)
-    held, ready, empty = ring_barriers(STAGES, 2)
-    gl.warp_specialize([
-        (_consumer, (0, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo, n_blocks,
-                     o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
-                     BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
-        (_consumer, (1, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo, n_blocks,
-                     o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
-                     BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
-        (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, ready, empty, b, h, h // GROUP, m_start, lo, n_blocks,
-                   BLOCK_M, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    landed = barrier_array(1, 1).index(0)
+    k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    if IS_VARLEN:
+        # Two sets of Q and dO buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
+        q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
+        do_s = tile_buffers(DO, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
+        q_free = barrier_array(4, 1)
+        info = info_slots()
+        held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        gl.warp_specialize([
+            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info, ready,
+                                empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm,
+                                stride_dqh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info, ready,
+                                empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm,
+                                stride_dqh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, q_free, info, ready, empty, landed, COUNTER,
+                              TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb,
+                                                                      stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                                      MASK_RIGHT)
+        o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
+        do_s = tile_buffers(DO, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
+        held, ready, empty = ring_barriers(STAGES, 2)
+        gl.warp_specialize([
+            (_consumer, (0, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
+                         n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (1, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
+                         n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
+            (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, h // GROUP, m_start, lo,
+                       n_blocks, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -199,8 +199,8 @@ def _plan_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, LAST_
     """A varlen call's plan (ops/common.varlen_plan), in one launch: SCHEDULE, (2, batch), the sequences in launch
     order and their tiled lengths (Notes [varlen tile list] and [longest sequences first]); with BLOCK > 0 the
     tile list of BLOCK-row tiles in that order, written out, each sequence's last tile first (LAST_FIRST_LIST) or
-    first tile first (FIRST_FIRST_LIST), whichever are not None, then (-1, -1) up to `entries`; and COUNTERS, two
-    persistent kernels' work counters (4 int32 each, 16 bytes apart), zeroed.
+    first tile first (FIRST_FIRST_LIST), whichever are not None, then (-1, -1) up to `entries`; and COUNTERS, four
+    slots of persistent kernels' work counters (4 int32 each, 16 bytes apart; three used), zeroed.
 
     Program b < batch places sequence b: its rank among the sequences of its chunk of BLOCK_B (cost descending,
     ties in batch order) is how many of them sort before it, so no program sorts and none waits for another; its
@@ -238,7 +238,7 @@ def _plan_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, LAST_
                 _write_entries(LAST_FIRST_LIST, before, entries - before, -1, True)
             if FIRST_FIRST_LIST is not None:
                 _write_entries(FIRST_FIRST_LIST, before, entries - before, -1, False)
-            tl.store(COUNTERS + tl.arange(0, 8), tl.zeros([8], tl.int32))
+            tl.store(COUNTERS + tl.arange(0, 16), tl.zeros([16], tl.int32))
 
 
 @triton.jit

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ..config import HOPPER_DENSE_ONLY, block_d, tile_config
+from ..config import block_d, tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
@@ -97,16 +97,16 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     dout = tma_ready(dout)
     nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     fp32 = q.dtype == torch.float32
-    # The Gluon kernels (Note [hopper path] in ops/hopper.py): dK/dV runs after the dQ kernel (Gluon for a dense
-    # batch, Triton for a varlen one), without the handoff.
+    # The Gluon kernels (Note [hopper path] in ops/hopper.py): dK/dV runs after the dQ kernel, without the handoff.
     gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
                                softcap=softcap, alibi=alibi_slopes is not None) is None
     plan_k = None
     if varlen:
         # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
-        # packed totals passed as their seqlen arguments. The dQ kernel reads its tile from a last-first list of its
-        # BLOCK_M (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it
-        # walks the schedule (dq_block 0). The Gluon dK/dV kernel reads a first-first list of the key side.
+        # packed totals passed as their seqlen arguments. The Triton dQ kernel reads its tile from a last-first list
+        # of its BLOCK_M (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then
+        # it walks the schedule (dq_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its
+        # consumer's rows, and the Gluon dK/dV kernel from a first-first list of the key side.
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
         _, dq_block, dkdv_block = list_blocks(head_dim, fp32, gluon)
         self_attn = self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k)
@@ -125,13 +125,11 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py).
     delta = torch.empty_like(lse)
     ready = None if gluon else torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
-    # The Gluon dQ kernel takes dense batches (Note [hopper path] in ops/hopper.py); the Triton one streams K and V
-    # through host descriptors (ops/fwd.py, Note [host descriptors]), built only when it runs; the Triton dK/dV
-    # kernel through descriptors it builds per (sequence, head).
-    gluon_dq = gluon and not (varlen and "bwd_dq" in HOPPER_DENSE_ONLY)
+    # The Triton dQ kernel streams K and V through host descriptors (ops/fwd.py, Note [host descriptors]), built
+    # only when it runs; the Triton dK/dV kernel through descriptors it builds per (sequence, head).
     host = HOST_DESCRIPTORS and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
-    if host and not gluon_dq:
+    if host and not gluon:
         block_n = tile_config("bwd_dq", head_dim, fp32).block_n
         kd, vd = host_desc(k, block_n), host_desc(v, block_n)
     else:
@@ -165,8 +163,9 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
            window_left, window_right, softcap > 0.0, packing, pdl, listed, gluon)
     prepare_launch(q)
-    if gluon_dq:
-        hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right)
+    if gluon:
+        hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
+                      cu_seqlens_q, cu_seqlens_k, plan)
         record("bwd_dq", HOPPER_PATH)
     else:
         launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,

@@ -213,8 +213,8 @@ class Plan(NamedTuple):
     block: int  # rows per tile of the lists (0: no list written)
     last_first: Optional[torch.Tensor]  # (entries, 2): the tile list, each sequence's last tile first
     first_first: Optional[torch.Tensor]  # (entries, 2): the same tiles, each sequence's first tile first
-    # (2, 4): zeroed work counters, [0] for a persistent kernel reading last_first (the forward), [1] first_first
-    # (dK/dV)
+    # (4, 4): zeroed work counters, [0] for the forward's persistent kernel (it reads last_first), [1] dK/dV's
+    # (first_first), [2] dQ's (last_first); [3] unused (the plan kernel zeroes a power of two of them)
     counters: Optional[torch.Tensor]
 
     def has(self, last_first: int, first_first: int) -> bool:
@@ -230,8 +230,9 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
     their `tiled` side (the axis the grid tiles), both clamped to their bounds as the kernels clamp them
     (seqlen.py: seq_lengths); with `block`, that order written out as a tile list of `block`-row tiles, one
     (sequence, tile) entry per tile in tile_coords' order (each sequence's last tile first, `last_first`, or first
-    tile first, `first_first`, or both), then (-1, -1) up to the entries of tile_grid's grid, and two zeroed work
-    counters for the persistent Gluon kernels (Notes [persistent varlen forward] and [persistent varlen dK/dV]).
+    tile first, `first_first`, or both), then (-1, -1) up to the entries of tile_grid's grid, and zeroed work
+    counters for the persistent Gluon kernels (Notes [persistent varlen forward], [persistent varlen dQ] and
+    [persistent varlen dK/dV]).
     Kernels that walk the schedule take `schedule`, kernels that read their tile take a list (the Gluon kernels and
     the varlen dQ kernel). One launch (kernels/seqlen.py: _plan_kernel), through the launch cache, no host
     synchronisation. Notes [varlen tile list] and [longest sequences first] in kernels/seqlen.py."""
@@ -242,13 +243,13 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
     def aligned(n: int) -> int:  # int32s, rounded up so that every part starts 16 bytes aligned
         return -(-n // 4) * 4
 
-    spans = [8, aligned(2 * batch)] + ([aligned(2 * entries)] * (last_first + first_first) if lists else [])
+    spans = [16, aligned(2 * batch)] + ([aligned(2 * entries)] * (last_first + first_first) if lists else [])
     buf = torch.empty(sum(spans), dtype=torch.int32, device=cu_tiled.device)
     counters, sched, *written = buf.split_with_sizes(spans)
     written = iter(w[:2 * entries].view(entries, 2) for w in written)
     plan = Plan(sched[:2 * batch].view(2, batch), block if lists else 0,
                 next(written) if lists and last_first else None, next(written) if lists and first_first else None,
-                counters.view(2, 4) if lists else None)
+                counters.view(4, 4) if lists else None)
     if batch + lists > 0:
         key = (signature(cu_tiled, seqused_tiled, cu_cost, seqused_cost), bound_tiled, bound_cost, cost_packed,
                plan.block, plan.last_first is not None, plan.first_first is not None, entries)
@@ -281,10 +282,13 @@ def plan_lists(*wanted: tuple[int, bool]) -> tuple[int, bool, bool]:
 def list_blocks(head_dim: int, fp32: bool, gluon: bool) -> tuple[int, int, int]:
     """Rows per tile of the lists that the varlen forward, dQ and dK/dV kernels read, 0 for one that walks the
     schedule: the Gluon kernels (`gluon`, Note [hopper path] in ops/hopper.py) take 2 x their consumer's rows; the
-    dQ kernel reads a list of its BLOCK_M unless an autotuner may launch it with another (ops/bwd.py)."""
+    Triton dQ kernel reads a list of its BLOCK_M unless an autotuner may launch it with another (ops/bwd.py)."""
     fwd = 2 * HOPPER["fwd"][head_dim].block_m if gluon else 0
     dkdv = 2 * HOPPER["bwd_dkdv"][head_dim].block_n if gluon else 0
-    dq = 0 if env.autotune() else tile_config("bwd_dq", head_dim, fp32).block_m
+    if gluon:
+        dq = 2 * HOPPER["bwd_dq"][head_dim].block_m
+    else:
+        dq = 0 if env.autotune() else tile_config("bwd_dq", head_dim, fp32).block_m
     return fwd, dq, dkdv
 
 

@@ -3,11 +3,9 @@
 Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
-(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows, but for the dQ
-pass, whose Gluon kernel takes dense batches only (config.HOPPER_DENSE_ONLY): varlen batches run the Triton dQ
-kernel, whose varlen path is tuned (host descriptors over the packed tensors, a tile list) where the Gluon one
-is not yet persistent (PERF.md, v18). Everything else (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or
-dtypes, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one decision: the ops
+(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows. Everything else
+(softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the Triton
+kernels. `hopper_unsupported` is the one decision: the ops
 ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no;
 `last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path
 off.
@@ -16,10 +14,10 @@ The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a 
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
 box, where the persistent programs take (sequence, head, tile) items from a work counter over a list written once per
-call (common.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent varlen forward] and
-[persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note [varlen descriptors] in
-kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile
-of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
+call (common.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent varlen forward],
+[persistent varlen dQ] and [persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note
+[varlen descriptors] in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for
+the partial last tile of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
 """
 
 from __future__ import annotations
@@ -148,19 +146,32 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
-           window_right: int) -> None:
-    """dq and delta = rowsum(dout * out) of a dense (B, S, H, D) problem that hopper_unsupported accepts."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+           window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None) -> None:
+    """dq and delta = rowsum(dout * out) of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen
+    (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles."""
+    nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
     descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
              _desc(dq, cfg.block_m))
-    constexprs = _constexprs(cfg, q, k, window_left, window_right, False)
-    del constexprs["IS_VARLEN"]  # a dense-only kernel (config.HOPPER_DENSE_ONLY)
-    key = (signature(q, k, v, dout, dq, out, lse), window_left, window_right)
-    grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
-    dynamic = (*descs, out, lse, delta, qk_scale, softmax_scale)
-    static = (lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), out.stride(2), seqlen_q, k.shape[1],
-              window_left, window_right)
+    constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
+    key = (signature(q, k, v, dout, dq, out, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
+    if cu_seqlens_q is None:
+        batch, seqlen_q = q.shape[:2]
+        grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+        dynamic = (*descs, None, out, lse, delta, None, None, None, None, qk_scale, softmax_scale)
+        static = (lse.stride(0), lse.stride(1), *out.stride()[:3], seqlen_q, k.shape[1], window_left,
+                  window_right, 0, 0, 0, 0)
+    else:
+        # Persistent (Note [persistent varlen dQ] in kernels/hopper_dq.py), as the forward, on the same list.
+        programs = sm_count(q.device)
+        key += (programs,)
+        assert plan.has(2 * cfg.block_m, 0)
+        n_items = plan.last_first.shape[0] * nheads
+        grid = (min(n_items, programs), 1, 1)
+        dynamic = (*descs, dq, out, lse, delta, plan.last_first, cu_seqlens_q, cu_seqlens_k, plan.counters[2],
+                   qk_scale, softmax_scale)
+        static = (0, lse.stride(0), 0, *out.stride()[:2], q.shape[0], k.shape[0], window_left, window_right,
+                  *dq.stride()[:2], n_items, nheads)
     launch_fixed(_hopper_dq_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
 
 
