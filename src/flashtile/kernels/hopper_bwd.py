@@ -21,7 +21,8 @@ persistent and computes one such item after another (Note [persistent varlen dK/
 
 The program's query range is q_block_range's for its 2 x BLOCK_N keys; the tiles that some (query, key) pair of
 the program does not see run masked, with masking.apply_mask's test rearranged so that only per-key bounds move
-with the tile (_tile says why); a consumer whose keys a tile does not reach at all computes zeros. Query rows past
+with the tile (_tile says why); a consumer passes over the tiles that reach none of its keys (it waits for each
+and releases it), as the dQ kernel's consumers do the key blocks their rows do not see. Query rows past
 seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0 (as in
 kernels/bwd.py). In a dense batch, rows past a sequence are TMA's zero fill and the 4-d descriptors' stores drop
 their gradient rows. A varlen batch's descriptors run over the packed tensors (Note [varlen descriptors] in
@@ -151,6 +152,16 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars
 
 
 @gluon.jit
+def _pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
+    """Ring positions [it_from, it_to) that this consumer does not compute: it waits for each slot's fill (an
+    arrival before it would complete the slot's phase while the other consumer may still read it) and releases
+    it."""
+    for it in range(it_from, it_to):
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
 def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr, kl, offs_m, st_zero,
           seqlen_q, qk_scale, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
           BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr,
@@ -224,21 +235,31 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
     kl = keys - (seqlen_k - seqlen_q) + wl  # the last (MASK_LEFT)
     lse_h = LSE + lse_off
     delta_h = DELTA + lse_off
+    # This consumer's own query tiles: a contiguous part [own0, own1) of the item's (q_block_range for its BLOCK_N
+    # keys; none if its keys are all past the sequence). It passes over the others: under a causal mask the upper
+    # consumer's first tile, which its keys do not reach.
+    own_lo, _, _, own_hi = q_block_range(key0, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    own0 = gl.minimum(gl.maximum((own_lo - lo) // BLOCK_M, 0), n_tiles)
+    own1 = gl.minimum(gl.maximum((own_hi - lo + BLOCK_M - 1) // BLOCK_M, own0), n_tiles)
+    own1 = gl.where(key0 < seqlen_k, own1, own0)
+    front = gl.minimum(gl.maximum(n_front, own0), own1)  # the item's masked front and tail, within [own0, own1)
+    mid = gl.minimum(gl.maximum(n_mid, front), own1)
     for g in range(GROUP):
         base = it0 + g * n_tiles
+        _pass_over(base, base + own0, ready, empty, STAGES)
         if MASK_LEFT:
             # A sliding window: masked tiles at both ends. They run in their own loop, so the mask's registers and
             # instructions stay out of the main one. Pass 0: masked front tiles, then the unmasked middle; pass 1:
             # masked tail tiles (its unmasked range is empty). Each loop body exists once (two masked copies cost
             # ptxas registers), in the loader's order.
             for ph in range(2):
-                t0 = gl.where(ph == 0, 0, n_mid)
-                t1 = gl.where(ph == 0, n_front, n_tiles)
+                t0 = gl.where(ph == 0, own0, mid)
+                t1 = gl.where(ph == 0, front, own1)
                 for t in range(t0, t1):
                     dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                    delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                    BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
-                for t in range(t1, gl.where(ph == 0, n_mid, t1)):
+                for t in range(t1, gl.where(ph == 0, mid, t1)):
                     dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                    delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                    BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT)
@@ -249,16 +270,17 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
             # every tile. The loop nest above (masked tail tiles in a loop of their own, nested in the passes) made
             # the 16-sequence mix's dK/dV 11% slower without a mask and 8% causal (on the H200; PERF.md, v12).
             if MASK_RIGHT:
-                for t in range(n_front):
+                for t in range(own0, front):
                     dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                    delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                    BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
             # A literal 0 without a mask: starting from n_front there (a runtime min(0, n_tiles)) ran the mix's
             # dK/dV 4% slower (PERF.md, v12).
-            for t in range(n_front if MASK_RIGHT else 0, n_tiles):
+            for t in range(front if MASK_RIGHT else 0, own1):
                 dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                BLOCK_M, STAGES, True, False, False)
+        _pass_over(base + own1, base + n_tiles, ready, empty, STAGES)
         lse_h += stride_lh
         delta_h += stride_lh
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence

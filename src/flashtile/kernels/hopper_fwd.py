@@ -21,7 +21,8 @@ program's key range is kv_block_range's for its 2 x BLOCK_M rows, and a consumer
 partly see as masked (apply_mask, as the Triton kernel does). Keys past seqlen_k are masked, and rows past
 seqlen_q are neither stored nor written to the LSE: a dense batch's 4-d descriptors end where each sequence does
 (rows past it are TMA's zero fill, stores past it are dropped); a varlen batch's run over the packed tensors, and
-Note [varlen descriptors] says what keeps one sequence out of another.
+Note [varlen descriptors] says what keeps one sequence out of another. A consumer none of whose rows is in the
+sequence (the upper half of a last tile) passes over the key blocks: it waits for each and releases it.
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
 (total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi,
@@ -164,7 +165,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if n_blocks > 0:
+    if (n_blocks > 0) & (m0 < seqlen_q):
         first = it0 % KS
         mbarrier.wait(ready.index(first), (it0 // KS) & 1)
         s = warpgroup_mma(q_tile, k_s.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
@@ -218,8 +219,12 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
             mbarrier.arrive(v_empty.index(last), count=1)
         else:
             mbarrier.arrive(empty.index(last), count=1)
-    elif IS_VARLEN:
-        _free_previous(free_prev, q_free, qi ^ 2)
+    else:
+        # No key block, or no row of this tile in the sequence (the last tile's upper half): nothing to compute,
+        # but the other consumer's loads still wait on this one's releases.
+        if IS_VARLEN:
+            _free_previous(free_prev, q_free, qi ^ 2)
+        _pass_over(it0, it0 + n_blocks, ready, empty, v_ready, v_empty, KS, VS, IS_VARLEN)
     # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
@@ -235,6 +240,20 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
             tma_store(o_desc, b, q_row0 + m0, h, q_s.index(qi), IS_VARLEN)
             if not IS_VARLEN:
                 tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _pass_over(it_from, it_to, ready, empty, v_ready, v_empty, KS: gl.constexpr, VS: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
+    """Ring positions [it_from, it_to) that this consumer does not compute: it waits for each slot's fill (an
+    arrival before it would complete the slot's phase while the other consumer may still read it) and releases
+    it."""
+    for it in range(it_from, it_to):
+        mbarrier.wait(ready.index(it % KS), (it // KS) & 1)
+        mbarrier.arrive(empty.index(it % KS), count=1)
+        if IS_VARLEN:
+            mbarrier.wait(v_ready.index(it % VS), (it // VS) & 1)
+            mbarrier.arrive(v_empty.index(it % VS), count=1)
 
 
 @gluon.jit
