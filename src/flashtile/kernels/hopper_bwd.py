@@ -1,7 +1,6 @@
 """The Hopper dK/dV kernel: a warp-specialised Gluon kernel for sm_90 (H100/H200), the structure of
 kernels/hopper_fwd.py applied to the backward's key-side pass. dQ and delta = rowsum(dO * O) come from the dQ
-kernel launched before this one on the same stream: the Gluon one (hopper_dq.py) for a dense batch, the Triton one
-(kernels/bwd.py) for a varlen batch.
+kernel launched before this one on the same stream (the Gluon one, hopper_dq.py).
 
 One program computes dK and dV for 2 x BLOCK_N keys of one (sequence, KV head), over every query head of its GQA
 group (so nothing is reduced across programs, and the result is bitwise reproducible); a varlen program is

@@ -5,11 +5,12 @@ Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
 reproducible. Varlen batches get the forward's tile lists and heads-first grids (kernels/seqlen.py): dQ tiles
 cost in proportion to their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest
-sequences first. The dQ kernel reads its tile from its list written out (ops/common.varlen_plan); the Triton
-dK/dV kernel walks its schedule (seqlen.tile_coords). Two launches, in that order on one stream: dK/dV reads the
-delta the dQ kernel wrote, through per-(sequence, head) counters that let it start on the SMs the dQ grid's last
-wave leaves idle, launched with programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py;
-FLASHTILE_PDL=0 switches that off). Packed inputs get their gradients written into one buffer of the packed
+sequences first. The Triton dQ kernel reads its tile from its list written out (ops/common.varlen_plan), the
+Triton dK/dV kernel walks its schedule (seqlen.tile_coords); the Gluon ones (sm_90) are persistent over lists.
+Two launches, in that order on one stream: the Triton dK/dV kernel reads the delta the dQ kernel wrote, through
+per-(sequence, head) counters that let it start on the SMs the dQ grid's last wave leaves idle, launched with
+programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py; FLASHTILE_PDL=0 switches that
+off). Packed inputs get their gradients written into one buffer of the packed
 shape.
 
 Note [one plan per step]: a varlen call's kernels read a plan (ops/common.varlen_plan: the launch order, tile lists
@@ -21,10 +22,10 @@ the host reached the dQ launch after the GPU had finished the ~280 µs causal fo
 16-sequence mix. Now one launch writes the order and every list a call needs (one kernel, each program placing its
 sequence by rank, no sort), and an eager forward that autograd will differentiate writes the backward's lists too
 where one plan can hold them (self-attention, the same lengths on both sides, and lists of one block: the Hopper
-path's 128-row tiles), handing the plan to the backward on the autograd context; the forward's persistent kernel
-and dK/dV's count their work items in counters of their own. A varlen forward+backward then launches one plan
+path's 128-row tiles), handing the plan to the backward on the autograd context; the persistent forward, dQ and
+dK/dV kernels count their work items in counters of their own. A varlen forward+backward then launches one plan
 and its three kernels; a torch.compile'd one (whose backward is the `flashtile::bwd` op, which takes no plan) one
-more. A plan serves a single backward: a second one (retain_graph) plans anew, its dK/dV counter being spent.
+more. A plan serves a single backward: a second one (retain_graph) plans anew, its dQ and dK/dV counters spent.
 """
 
 from __future__ import annotations
