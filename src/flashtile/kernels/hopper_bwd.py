@@ -41,8 +41,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, info_slots, publish_item, read_item, ring_barriers, store_rows, tile_buffers,
-                            tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (barrier_array, info_slots, pass_over, publish_item, read_item, ring_barriers, store_rows,
+                            tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, q_block_range
 
 
@@ -151,16 +151,6 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars
 
 
 @gluon.jit
-def _pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
-    """Ring positions [it_from, it_to) that this consumer does not compute: it waits for each slot's fill (an
-    arrival before it would complete the slot's phase while the other consumer may still read it) and releases
-    it."""
-    for it in range(it_from, it_to):
-        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(it % STAGES), count=1)
-
-
-@gluon.jit
 def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr, kl, offs_m, st_zero,
           seqlen_q, qk_scale, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
           BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr,
@@ -245,7 +235,7 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
     mid = gl.minimum(gl.maximum(n_mid, front), own1)
     for g in range(GROUP):
         base = it0 + g * n_tiles
-        _pass_over(base, base + own0, ready, empty, STAGES)
+        pass_over(base, base + own0, ready, empty, STAGES)
         if MASK_LEFT:
             # A sliding window: masked tiles at both ends. They run in their own loop, so the mask's registers and
             # instructions stay out of the main one. Pass 0: masked front tiles, then the unmasked middle; pass 1:
@@ -279,7 +269,7 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
                 dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                BLOCK_M, STAGES, True, False, False)
-        _pass_over(base + own1, base + n_tiles, ready, empty, STAGES)
+        pass_over(base + own1, base + n_tiles, ready, empty, STAGES)
         lse_h += stride_lh
         delta_h += stride_lh
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence

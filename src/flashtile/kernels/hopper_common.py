@@ -213,3 +213,12 @@ def store_rows(base, tile, row0, n_rows, h, stride_m, stride_h, ROWS: gl.constex
     ptr = base + row0.to(gl.int64) * stride_m + h.to(gl.int64) * stride_h
     offs = gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
     gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_rows, 1))
+
+
+@gluon.jit
+def pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
+    """Ring positions [it_from, it_to) that a consumer does not compute: it waits for each slot's fill (an arrival
+    before it would complete the slot's phase while the other consumer may still read it) and releases it."""
+    for it in range(it_from, it_to):
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(it % STAGES), count=1)

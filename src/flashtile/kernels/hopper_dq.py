@@ -55,8 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, dense_query_tile, info_slots, publish_item, read_item, ring_barriers,
-                            store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (barrier_array, dense_query_tile, info_slots, pass_over, publish_item, read_item,
+                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
@@ -145,16 +145,6 @@ def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, q
 
 
 @gluon.jit
-def _pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
-    """Ring positions [it_from, it_to) that this consumer does not compute: it waits for each slot's fill (an
-    arrival before it would complete the slot's phase while the other consumer may still read it) and releases
-    it."""
-    for it in range(it_from, it_to):
-        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(it % STAGES), count=1)
-
-
-@gluon.jit
 def _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
            row_layout: gl.constexpr):
     """rowsum(dO * O) of this consumer's rows m0 .. m0 + BLOCK_M - 1, in row_layout; 0 for rows past seqlen_q. dO
@@ -200,7 +190,7 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
     lse2 = gl.load(LSE + lse_off + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    _pass_over(it0, it0 + j0, ready, empty, STAGES)
+    pass_over(it0, it0 + j0, ready, empty, STAGES)
     for j in range(j0, j1):
         it = it0 + j
         slot = it % STAGES
@@ -223,7 +213,7 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # Note [dQ update in its block]
         mbarrier.arrive(empty.index(slot), count=1)  # this consumer has read K_j and V_j
-    _pass_over(it0 + j1, it0 + n_blocks, ready, empty, STAGES)
+    pass_over(it0 + j1, it0 + n_blocks, ready, empty, STAGES)
     if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
         q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the store
         fence_async_shared()
