@@ -245,9 +245,9 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
 @gluon.jit
 def _pass_over(it_from, it_to, ready, empty, v_ready, v_empty, KS: gl.constexpr, VS: gl.constexpr,
                IS_VARLEN: gl.constexpr):
-    """Ring positions [it_from, it_to) that this consumer does not compute: it waits for each slot's fill (an
-    arrival before it would complete the slot's phase while the other consumer may still read it) and releases
-    it."""
+    """hopper_common.pass_over over the K ring and, for a varlen batch, V's own ring, block by block: the loader
+    fills K_j then V_j, so passing over every K first would wait for a K fill queued behind a V slot that only the
+    V releases free."""
     for it in range(it_from, it_to):
         mbarrier.wait(ready.index(it % KS), (it // KS) & 1)
         mbarrier.arrive(empty.index(it % KS), count=1)
