@@ -22,7 +22,9 @@ partly see as masked (apply_mask, as the Triton kernel does). Keys past seqlen_k
 seqlen_q are neither stored nor written to the LSE: a dense batch's 4-d descriptors end where each sequence does
 (rows past it are TMA's zero fill, stores past it are dropped); a varlen batch's run over the packed tensors, and
 Note [varlen descriptors] says what keeps one sequence out of another. A consumer none of whose rows is in the
-sequence (the upper half of a last tile) passes over the key blocks: it waits for each and releases it.
+sequence (the upper half of a last tile) passes over the key blocks: it waits for each and releases it; one
+whose rows see only the first half of the last key block computes that block at half width (Note [half last
+block]).
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
 (total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi,
@@ -143,6 +145,78 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
 
 
 @gluon.jit
+def _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi,
+          seqlen_k, diag, wl, wr, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, MASK_LEFT: gl.constexpr,
+          MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Key block n0 at ring position it, after the item's first: S on the block's first WIDTH keys (all of them, or
+    half under Note [half last block]) is issued with the previous block's P V under it, and its softmax runs
+    while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
+    l_i, acc), acc rescaled to the new max."""
+    dtype: gl.constexpr = v_s.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, WIDTH, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = it % KS
+    mbarrier.wait(ready.index(slot), (it // KS) & 1)
+    if IS_VARLEN:  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
+        prev = (it - 1) % VS
+        mbarrier.wait(v_ready.index(prev), ((it - 1) // VS) & 1)
+    else:
+        prev = (it - 1) % KS
+    k_tile = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    if WIDTH < BLOCK_N:
+        k_tile = k_tile.slice(0, WIDTH)
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=s_layout),
+                      use_acc=False, is_async=True)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_s.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                        is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    if IS_VARLEN:
+        mbarrier.arrive(empty.index(slot), count=1)  # K_j is read
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k, diag, wl, wr,
+                                  qk_scale, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if IS_VARLEN:
+        mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is read
+    else:
+        mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
+def _last_pv(p, acc, v_s, empty, v_ready, v_empty, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr,
+             BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The item's last P V, on the first WIDTH rows of V at ring position it (keys_left of its rows in the
+    sequence), with nothing left to hide it under."""
+    dtype: gl.constexpr = v_s.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    if IS_VARLEN:
+        last = it % VS
+        mbarrier.wait(v_ready.index(last), (it // VS) & 1)
+    else:
+        last = it % KS
+    v_last = v_s.index(last).reshape([BLOCK_N, HEAD_DIM])
+    if IS_VARLEN:
+        if keys_left < BLOCK_N:  # the sequence ends inside the last key block
+            zero_rows_from(v_last, keys_left, BLOCK_N, HEAD_DIM, 4)
+    if WIDTH < BLOCK_N:
+        v_last = v_last.slice(0, WIDTH)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if IS_VARLEN:
+        mbarrier.arrive(v_empty.index(last), count=1)
+    else:
+        mbarrier.arrive(empty.index(last), count=1)
+    return acc
+
+
+@gluon.jit
 def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, ready, empty, v_ready, v_empty, b, h,
                   m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale,
                   stride_om, stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -150,13 +224,22 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
                   MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
     A varlen (persistent) consumer leaves its O store in flight, and hands the previous item's Q buffer back
-    (free_prev) once its first S of this item is issued."""
+    (free_prev) once its first S of this item is issued.
+
+    Note [half last block]: where this consumer's rows see none of the upper half of the item's last key block
+    (under a causal mask the lower consumer's diagonal block; where the keys end in a block's first half), it
+    computes that block at half width: S on the first BLOCK_N / 2 keys, P V on the first BLOCK_N / 2 rows of V
+    (wgmma N and K of 64 at BLOCK_N = 128). Under a causal mask that takes a quarter block off every item's lower
+    consumer, which weighs most on short items (a varlen batch's short sequences). Only after a whole block, so
+    that the half step, like every other block but the first, runs under a previous P V."""
     dtype: gl.constexpr = o_desc.dtype
+    HALF: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     diag = seqlen_k - seqlen_q
     m0 = m_start + c * BLOCK_M
     q_tile = q_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
@@ -177,48 +260,30 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
             mbarrier.arrive(empty.index(first), count=1)  # K_0 is read (its own ring)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
                                       wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
-        for j in range(1, n_blocks):
-            it = it0 + j
-            slot = it % KS
-            n0 = lo + j * BLOCK_N
-            mbarrier.wait(ready.index(slot), (it // KS) & 1)
-            if IS_VARLEN:  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
-                prev = (it - 1) % VS
-                mbarrier.wait(v_ready.index(prev), ((it - 1) // VS) & 1)
-            else:
-                prev = (it - 1) % KS
-            s = warpgroup_mma(q_tile, k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                v_s.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            if IS_VARLEN:
-                mbarrier.arrive(empty.index(slot), count=1)  # K_j is read
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k,
-                                          diag, wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if IS_VARLEN:
-                mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is read
-            else:
-                mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        if IS_VARLEN:
-            last = (it0 + n_blocks - 1) % VS
-            mbarrier.wait(v_ready.index(last), ((it0 + n_blocks - 1) // VS) & 1)
+        n_last = lo + (n_blocks - 1) * BLOCK_N
+        keys_end = seqlen_k  # past this consumer's last visible key
+        if MASK_RIGHT:
+            keys_end = gl.minimum(keys_end, gl.minimum(m0 + BLOCK_M, seqlen_q) + diag + wr)
+        half = (n_blocks > 1) & (keys_end - n_last <= HALF)
+        for j in range(1, n_blocks - half.to(gl.int32)):
+            p, m_i, l_i, acc = _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it0 + j, lo + j * BLOCK_N, p,
+                                     acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr, qk_scale,
+                                     BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N, KS, VS, MASK_LEFT, MASK_RIGHT, IS_VARLEN)
+        it_last = it0 + n_blocks - 1
+        if half:
+            p_h, m_h, l_h, acc = _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it_last, n_last, p, acc,
+                                       gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                                       gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
+                                       gl.convert_layout(rows, gl.SliceLayout(1, h_layout)), full_lo, full_hi,
+                                       seqlen_k, diag, wl, wr, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, KS, VS,
+                                       MASK_LEFT, MASK_RIGHT, IS_VARLEN)
+            acc = _last_pv(p_h, acc, v_s, empty, v_ready, v_empty, it_last, seqlen_k - n_last, HALF, HEAD_DIM,
+                           BLOCK_N, KS, VS, IS_VARLEN)
+            m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
+            l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
         else:
-            last = (it0 + n_blocks - 1) % KS
-        v_last = v_s.index(last).reshape([BLOCK_N, HEAD_DIM])
-        if IS_VARLEN:
-            keys_left = seqlen_k - (lo + (n_blocks - 1) * BLOCK_N)
-            if keys_left < BLOCK_N:  # the sequence ends inside the last key block
-                zero_rows_from(v_last, keys_left, BLOCK_N, HEAD_DIM, 4)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                            v_last, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if IS_VARLEN:
-            mbarrier.arrive(v_empty.index(last), count=1)
-        else:
-            mbarrier.arrive(empty.index(last), count=1)
+            acc = _last_pv(p, acc, v_s, empty, v_ready, v_empty, it_last, seqlen_k - n_last, BLOCK_N, HEAD_DIM,
+                           BLOCK_N, KS, VS, IS_VARLEN)
     else:
         # No key block, or no row of this tile in the sequence (the last tile's upper half): nothing to compute,
         # but the other consumer's loads still wait on this one's releases.
