@@ -127,6 +127,18 @@ def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, 
         r += 1
 
 
+@gluon.constexpr_function
+def _acc_layout(n):
+    """The wgmma accumulator layout of a consumer warpgroup's (BLOCK_M, n) tile: S (n = keys) and O (n = D)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _p_layout(head_dim):
+    """P as the register operand A of P V."""
+    return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(head_dim), k_width=2)
+
+
 @gluon.jit
 def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
              BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
@@ -154,11 +166,9 @@ def _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it, n0, p, acc, m_i,
     while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
     l_i, acc), acc rescaled to the new max."""
     dtype: gl.constexpr = v_s.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, WIDTH, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _acc_layout(WIDTH)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+    p_layout: gl.constexpr = _p_layout(HEAD_DIM)
     slot = it % KS
     mbarrier.wait(ready.index(slot), (it // KS) & 1)
     if IS_VARLEN:  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
@@ -193,9 +203,7 @@ def _last_pv(p, acc, v_s, empty, v_ready, v_empty, it, keys_left, WIDTH: gl.cons
     """The item's last P V, on the first WIDTH rows of V at ring position it (keys_left of its rows in the
     sequence), with nothing left to hide it under."""
     dtype: gl.constexpr = v_s.dtype
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = _p_layout(HEAD_DIM)
     if IS_VARLEN:
         last = it % VS
         mbarrier.wait(v_ready.index(last), (it // VS) & 1)
@@ -234,12 +242,9 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
     that the half step, like every other block but the first, runs under a previous P V."""
     dtype: gl.constexpr = o_desc.dtype
     HALF: gl.constexpr = BLOCK_N // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    h_layout: gl.constexpr = _acc_layout(HALF)
+    o_layout: gl.constexpr = _acc_layout(HEAD_DIM)
     diag = seqlen_k - seqlen_q
     m0 = m_start + c * BLOCK_M
     q_tile = q_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
