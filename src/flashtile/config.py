@@ -139,10 +139,3 @@ def tile_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
     if fp32 and d in FP32[kernel]:
         return FP32[kernel][d]
     return TABLE[kernel][d]
-
-
-def production_configs() -> list[tuple[str, int, TileConfig, str]]:
-    """Every (kernel, padded head dim, config, element type) a GPU run can launch: each table entry for 2-byte
-    inputs ("bf16") and for fp32 ones. The CPU compile check builds all of them."""
-    return [(kernel, d, cfg, dtype) for kernel, by_d in TABLE.items() for d in by_d
-            for dtype, cfg in (("bf16", by_d[d]), ("fp32", FP32[kernel].get(d, by_d[d])))]

@@ -5,19 +5,21 @@ This module checks every argument once, with errors that name it, normalises the
 becomes a tensor, causal becomes a window) and calls the custom ops of ops/decode.py (in eager mode their
 implementations directly: ops/common.py): `append_kv` when new k/v are given, then `decode`. Checks that need
 the values of device tensors (block-table entries in range, cache_seqlens within capacity, ...) synchronise the
-device, so they run only with `FLASHTILE_CHECK=1` (env.debug_checks); the default path never synchronises and
-can be captured in a CUDA graph. No backward.
+device: they run as flash-attn runs them, for paged caches in eager mode, and for every cache with
+`FLASHTILE_CHECK=1` (Note [cache index checks]); a contiguous cache's call never synchronises, and no call
+synchronises under torch.compile or CUDA-graph capture, where the kernels' clamps keep a bad value inside the
+cache. No backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import env
-from .ops.common import call
+from .ops.common import call, graph_capturing
 from .ops.decode import append_kv, capacity, decode
 from .ops.decode import combine as _combine_op
-from .problem import MAX_HEAD_DIM, check_alibi, check_index, check_scalar_args, check_tensor, normalize_window
+from .problem import (MAX_HEAD_DIM, check_alibi, check_grid_limits, check_index, check_scalar_args, check_tensor,
+                      normalize_window, value_checks)
 
 __all__ = ["flash_attn_with_kvcache", "combine"]
 
@@ -50,8 +52,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     A query row with no visible key outputs 0 (and lse +inf). As in flash-attn, a window entry >= the cache
     capacity is treated as unbounded.
 
-    Never synchronises with the device (CUDA-graph capturable) unless FLASHTILE_CHECK=1, which adds checks of
-    block_table, cache_seqlens, cache_leftpad and cache_batch_idx values. No backward pass.
+    Index values (Note [cache index checks]): with a paged cache (block_table) an eager call checks, with one
+    device-to-host copy as flash-attn does, that cache_seqlens + seqlen_new lies in [0, capacity], cache_leftpad
+    in [0, cache_seqlens] and the pages a sequence's rows live in in [0, num_blocks), and raises ValueError naming
+    the argument otherwise; FLASHTILE_CHECK=1 (or CPU tensors) checks every cache so, cache_batch_idx included.
+    Otherwise (a contiguous cache on the GPU, or any call under torch.compile or CUDA-graph capture, which
+    never synchronises) the kernels clamp them: cache_seqlens into [0, capacity - seqlen_new], cache_leftpad into
+    [0, cache_seqlens + seqlen_new], pages and cache rows into the cache, and appended rows past a sequence's
+    capacity are dropped, so a bad value can give a wrong answer for its own sequence but never reads or writes
+    outside the caches. No backward pass.
 
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim). fp16, bf16 or fp32; unit stride in the last dimension.
@@ -62,7 +71,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim), new keys to append. Needs v and cache_seqlens.
         v [optional]: (batch_size, seqlen_new, nheads_k, headdim), new values to append.
         rotary_cos [optional]: (seqlen_ro, rotary_dim / 2); rotary_dim <= headdim. Needs k and v, and
-            seqlen_ro >= the cache capacity (seqlen_cache, or max_num_blocks_per_seq * page_block_size).
+            seqlen_ro >= the cache capacity (seqlen_cache, or max_num_blocks_per_seq * page_block_size). A query
+            whose position is past the table (causal or local, more queries than appended keys) is not rotated,
+            and no row past the table is read.
         rotary_sin [optional]: (seqlen_ro, rotary_dim / 2), as rotary_cos.
         cache_seqlens: int, or (batch_size,) int32: current length of each cache (before appending). Default: the
             whole capacity (then k/v cannot be appended).
@@ -107,6 +118,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"headdim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if seqlen_q < 1:
         raise ValueError(f"q must have at least one token (seqlen_q >= 1), got shape {tuple(q.shape)}")
+    check_grid_limits(batch, nheads)
     if nheads_kv < 1 or nheads % nheads_kv != 0:
         raise ValueError(f"number of query heads ({nheads}) must be a multiple of the number of key/value heads "
                          f"in k_cache ({nheads_kv})")
@@ -156,8 +168,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         window_right = -1
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
-    _check_rotary(rotary_cos, rotary_sin, k, q, head_dim, cap, seqlen_q - seqlen_new,
-                  window_left >= 0 or window_right >= 0)
+    _check_rotary(rotary_cos, rotary_sin, k, q, head_dim, cap)
 
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), cap, dtype=torch.int32, device=q.device)
@@ -168,7 +179,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         check_index("cache_seqlens", cache_seqlens, 1, batch, q.device)
-    if env.debug_checks():
+    if _value_checks(q.device, block_table is not None, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table):
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
 
     if k is not None:
@@ -226,7 +238,21 @@ def combine(out_partials, lse_partials, out_dtype=None):
     return (out[0], lse[0]) if varlen else (out, lse)
 
 
-def _check_rotary(cos, sin, k, q, head_dim: int, cap: int, q_overhang: int, local: bool) -> None:
+def _value_checks(device, paged: bool, *tensors) -> bool:
+    """Note [cache index checks]: whether this call checks the values of its index tensors (cache_seqlens,
+    cache_leftpad, cache_batch_idx, block_table), which on a GPU costs a device-to-host copy that waits for the
+    queued work. flash-attn pays it for paged caches only and raises there; so does flashtile, and on CPU tensors
+    (free) and with FLASHTILE_CHECK=1 for every cache. Never while torch.compile traces (the values are unknown)
+    or a CUDA graph is captured (a copy would break the capture). Unchecked values are clamped by the kernels:
+    cache_seqlens into [0, capacity - seqlen_new], cache_leftpad into [0, cache_seqlens + seqlen_new], pages and
+    cache rows into the cache, and appended rows past a sequence's capacity are dropped; a bad value can give a
+    wrong answer for its own sequence but never reads or writes memory outside the caches."""
+    if torch.compiler.is_compiling() or graph_capturing(device):
+        return False
+    return paged or value_checks(*tensors)
+
+
+def _check_rotary(cos, sin, k, q, head_dim: int, cap: int) -> None:
     if cos is None and sin is None:
         return
     if cos is None or sin is None:
@@ -246,37 +272,49 @@ def _check_rotary(cos, sin, k, q, head_dim: int, cap: int, q_overhang: int, loca
     if not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_cos must be (seqlen_ro, rotary_dim / 2) with 0 < rotary_dim <= headdim = "
                          f"{head_dim}; got shape {tuple(cos.shape)} (rotary_dim = {rotary_dim})")
-    # The furthest position used: the last appended row, or with causal/local the last query token.
-    needed = cap + max(0, q_overhang) if local else cap
-    if cos.shape[0] < needed:
-        raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions (seqlen_ro) but positions up to "
-                         f"{needed - 1} can be used (the cache capacity is {cap})")
+    # flash-attn's rule: the tables cover the cache. A query of a causal or local step can sit past the cache's
+    # last row (more queries than appended keys); such a position is not rotated and reads no table row
+    # (kernels/kvcache.rotary_load).
+    if cos.shape[0] < cap:
+        raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions (seqlen_ro) but the cache holds {cap} "
+                         f"rows (its capacity): seqlen_ro must be >= the capacity")
 
 
 def _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap: int,
                   seqlen_new: int) -> None:
-    """FLASHTILE_CHECK=1 only: checks on tensor values, each of which synchronises with the device."""
+    """Checks on the values of the index tensors (Note [cache index checks]): one device-to-host copy of a few
+    flags, and a second only to name the first bad entry when one fails."""
     seqlens = cache_seqlens.long()
-    if bool((seqlens < 0).any()) or bool((seqlens + seqlen_new > cap).any()):
-        raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, capacity = {cap}] for every sequence; got "
-                         f"cache_seqlens {cache_seqlens.tolist()} with seqlen_new {seqlen_new}")
+    conditions = [("cache_seqlens", (seqlens < 0) | (seqlens + seqlen_new > cap))]
     if cache_leftpad is not None:
-        leftpad = cache_leftpad.long()
-        if bool((leftpad < 0).any()) or bool((leftpad > seqlens).any()):
-            raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens] for every sequence; got "
-                             f"{cache_leftpad.tolist()} with cache_seqlens {cache_seqlens.tolist()}")
+        conditions.append(("cache_leftpad", (cache_leftpad < 0) | (cache_leftpad.long() > seqlens)))
     if cache_batch_idx is not None:
-        if bool((cache_batch_idx < 0).any()) or bool((cache_batch_idx >= k_cache.shape[0]).any()):
-            raise ValueError(f"cache_batch_idx entries must lie in [0, {k_cache.shape[0]}) (k_cache.shape[0]); got "
-                             f"{cache_batch_idx.tolist()}")
+        conditions.append(("cache_batch_idx", (cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])))
     if block_table is not None:
-        # Only the pages a sequence owns (those holding rows < cache_seqlens + seqlen_new) must be valid; the rest
-        # of its row may hold anything (e.g. -1 padding), since it is never read.
+        # Only the pages a sequence owns (those holding rows < cache_seqlens + seqlen_new) must be pages of the
+        # cache; the rest of its row may hold anything (e.g. -1 padding), since it is never read.
         page_size = k_cache.shape[1]
         owned = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < (
-            seqlens + seqlen_new)[:, None]
-        bad = owned & ((block_table < 0) | (block_table >= k_cache.shape[0]))
-        if bool(bad.any()):
-            b, n = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"block_table[{b}, {n}] = {int(block_table[b, n])} is not a page of the cache "
-                             f"(must lie in [0, {k_cache.shape[0]}), k_cache.shape[0])")
+            seqlens.clamp(0, cap) + seqlen_new)[:, None]
+        conditions.append(("block_table", owned & ((block_table < 0) | (block_table >= k_cache.shape[0]))))
+    failed = torch.stack([bad.any() for _, bad in conditions]).tolist()
+    if not any(failed):
+        return
+    name, bad = conditions[failed.index(True)]
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    if name == "cache_seqlens":
+        b = index[0]
+        raise ValueError(f"cache_seqlens[{b}] = {int(seqlens[b])}: cache_seqlens + seqlen_new ({seqlen_new}) must "
+                         f"lie in [0, {cap}], the rows a sequence's cache holds (block_table.shape[1] x "
+                         f"page_block_size for a paged cache, k_cache.shape[1] otherwise)")
+    if name == "cache_leftpad":
+        b = index[0]
+        raise ValueError(f"cache_leftpad[{b}] = {int(cache_leftpad[b])} must lie in [0, cache_seqlens[{b}] = "
+                         f"{int(seqlens[b])}]")
+    if name == "cache_batch_idx":
+        b = index[0]
+        raise ValueError(f"cache_batch_idx[{b}] = {int(cache_batch_idx[b])} must lie in [0, {k_cache.shape[0]}) "
+                         f"(k_cache.shape[0])")
+    b, n = index
+    raise ValueError(f"block_table[{b}, {n}] = {int(block_table[b, n])} is not a page of the cache: the pages a "
+                     f"sequence's rows live in must lie in [0, {k_cache.shape[0]}) (k_cache.shape[0])")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ import torch
 from . import env
 
 MAX_HEAD_DIM = 256
+# CUDA's limit on a grid's y and z dimensions, where the dense kernels put the heads and the batch (a varlen batch's
+# grid folds its tile list past it: ops/common.tile_grid).
+MAX_GRID_YZ = 65535
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -73,16 +77,43 @@ def kernel_flags(window_left: int, window_right: int, softcap: float, has_alibi:
 
 
 def normalize_window(causal: bool, window_size) -> tuple[int, int]:
+    """(left, right) as ints from what flash-attn accepts: None, or any two-element sequence (tuple, list, tensor,
+    numpy array) whose items are integers (Python or numpy ints, one-element integer tensors) or None; -1 or None
+    means unbounded. causal sets right to 0."""
     if window_size is None:
         window_size = (-1, -1)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    if isinstance(window_size, (str, bytes)):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = (-1 if w is None else int(w) for w in window_size)
+    try:
+        items = list(window_size)
+    except TypeError:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    if len(items) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = (_window_entry(w, window_size) for w in items)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1/None for unbounded; got {tuple(window_size)}")
+        raise ValueError(f"window_size entries must be >= 0, or -1/None for unbounded; got {(left, right)}")
     if causal:
         right = 0
     return left, right
+
+
+def _window_entry(w, window_size) -> int:
+    if w is None:
+        return -1
+    if isinstance(w, torch.SymInt):  # torch.compile(dynamic=True) traces ints as symbols
+        return w
+    if isinstance(w, torch.Tensor):
+        if w.numel() != 1 or w.dtype.is_floating_point or w.dtype.is_complex or w.dtype == torch.bool:
+            raise TypeError(f"window_size entries must be integers, got a tensor of dtype {w.dtype} and shape "
+                            f"{tuple(w.shape)} in {window_size!r}")
+        return int(w.item())
+    if isinstance(w, bool):
+        raise TypeError(f"window_size entries must be integers, got {w!r} in {window_size!r}")
+    try:
+        return operator.index(w)  # ints and numpy integers; floats and strings raise
+    except TypeError:
+        raise TypeError(f"window_size entries must be integers or None, got {type(w).__name__} {w!r}") from None
 
 
 def check_scalar_args(dropout_p: float, softmax_scale, softcap: float, head_dim: int) -> float:
@@ -117,6 +148,15 @@ def check_tensor(name: str, t, ndim: int, device=None, dtype=None) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {device}: all inputs must be on one device")
     if t.stride(-1) != 1 and t.numel() > 0:
         raise ValueError(f"{name} must have unit stride in its last (head_dim) dimension, got strides {t.stride()}")
+
+
+def check_grid_limits(batch: int, nheads: int) -> None:
+    """Dense kernels launch one grid row per sequence and per head (MAX_GRID_YZ)."""
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"batch_size = {batch} is more than the {MAX_GRID_YZ} sequences one dense launch holds: "
+                         f"split the batch, or pass it to flash_attn_varlen_func, whose grid has no such limit")
+    if nheads > MAX_GRID_YZ:
+        raise ValueError(f"nheads = {nheads} is more than the {MAX_GRID_YZ} heads one launch holds")
 
 
 def check_alibi(alibi_slopes, batch: int, nheads: int, device) -> None:
@@ -183,6 +223,8 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
                          f"({nheads_kv})")
     if not varlen and (seqlen_q < 1 or seqlen_k < 1):
         raise ValueError(f"seqlen_q and seqlen_k must be >= 1, got {seqlen_q} and {seqlen_k}")
+    if not varlen:
+        check_grid_limits(batch, nheads)
     softmax_scale = check_scalar_args(dropout_p, softmax_scale, softcap, head_dim)
     check_alibi(alibi_slopes, batch, nheads, q.device)
     left, right = normalize_window(causal, window_size)

@@ -106,7 +106,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
 
 # Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
 # cache] in ops/launch.py), then constexprs.
-@triton.jit
+@triton.jit(do_not_specialize=("stride_lb", "stride_lh", "stride_ab", "seqlen_q", "seqlen_k", "batch", "wl", "wr"))
 def _bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     qk_scale, softcap2, softmax_scale,
@@ -215,7 +215,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
 
 # Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
 # cache] in ops/launch.py), then constexprs.
-@triton.jit
+@triton.jit(do_not_specialize=("stride_lb", "stride_lh", "stride_ab", "seqlen_q", "seqlen_k", "batch", "wl", "wr"))
 def _bwd_dq_kernel(
     Q, K, V, DO, O, DQ, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     qk_scale, softcap2, softmax_scale,

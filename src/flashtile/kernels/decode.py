@@ -100,7 +100,11 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_os", "stride_ls", "stride_lb", "stride_lh", "stride_lm", "stride_btb",
+                                 "stride_ab", "stride_cos", "seqlen_q", "seqlen_new", "page_size", "page_mul",
+                                 "page_shift", "num_pages", "capacity", "rotary_dim", "seqlen_ro", "num_splits",
+                                 "num_m_tiles",
+                                 "wl", "wr"))
 def _decode_kernel(
     Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
     stride_qb, stride_qm, stride_qh,
@@ -109,8 +113,8 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_btb, stride_ab, stride_cos,
-    seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, num_splits,
-    num_m_tiles,
+    seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
+    num_splits, num_m_tiles,
     qk_scale, softcap2, wl, wr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -153,7 +157,8 @@ def _decode_kernel(
         pos = seqlen_cache
         if MASK_LEFT or MASK_RIGHT:
             pos = seqlen_cache + i
-        q = rotary_load(q_ptrs, d, q_mask, pos, COS, SIN, stride_cos, rotary_dim, ROTARY_INTERLEAVED)
+        q = rotary_load(q_ptrs, d, q_mask, pos, COS, SIN, stride_cos, rotary_dim, seqlen_ro,
+                        ROTARY_INTERLEAVED)
         q = q.to(Q.dtype.element_ty)
     else:
         q = tl.load(q_ptrs + d, mask=q_mask, other=0.0)

@@ -113,7 +113,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
 
 # Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
 # cache] in ops/launch.py), then constexprs.
-@triton.jit
+@triton.jit(do_not_specialize=("stride_lb", "stride_lh", "stride_ab", "stride_btb", "seqlen_q", "seqlen_k",
+                                 "batch", "page_size", "page_mul", "page_shift", "num_pages", "wl", "wr"))
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE,
     qk_scale, softcap2,

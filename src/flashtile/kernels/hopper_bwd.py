@@ -332,7 +332,7 @@ def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DEL
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
-@gluon.jit
+@gluon.jit(do_not_specialize=("stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "wl", "wr", "n_items", "heads"))
 def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
                         qk_scale, softmax_scale, stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr,
                         stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items, heads,

@@ -270,7 +270,7 @@ def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
-@gluon.jit
+@gluon.jit(do_not_specialize=("stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "wl", "wr", "n_items", "heads"))
 def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
                       qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, seqlen_q,
                       seqlen_k, wl, wr, stride_dqm, stride_dqh, n_items, heads,

@@ -374,7 +374,7 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars,
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
-@gluon.jit
+@gluon.jit(do_not_specialize=("stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "wl", "wr", "n_items", "heads"))
 def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
                        stride_lb, stride_lh, seqlen_q, seqlen_k, wl, wr, stride_om, stride_oh, n_items, heads,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,

@@ -55,8 +55,12 @@ def cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, pa
 
 
 @triton.jit
-def rotary_load(ptrs, d, mask, pos, COS, SIN, stride_cos, rotary_dim, INTERLEAVED: tl.constexpr):
-    """Load a (rows, D) tile at ptrs + d rotated to positions pos (rows, 1); returns fp32. mask: (rows, D)."""
+def rotary_load(ptrs, d, mask, pos, COS, SIN, stride_cos, rotary_dim, seqlen_ro, INTERLEAVED: tl.constexpr):
+    """Load a (rows, D) tile at ptrs + d rotated to positions pos (rows, 1); returns fp32. mask: (rows, D).
+
+    A position outside the tables' seqlen_ro rows is not rotated (cos 1, sin 0) and its table row is never read,
+    as in flash-attn's rotary kernel: a query of a causal decode step can sit past the cache's last row, and the
+    tables need only cover the cache (kvcache.py)."""
     half = rotary_dim // 2
     if INTERLEAVED:
         partner = d ^ 1
@@ -66,7 +70,7 @@ def rotary_load(ptrs, d, mask, pos, COS, SIN, stride_cos, rotary_dim, INTERLEAVE
         first = d < half
         partner = tl.where(first, d + half, d - half)
         c = tl.where(first, d, d - half)
-    rot = mask & (d < rotary_dim)
+    rot = mask & (d < rotary_dim) & (pos >= 0) & (pos < seqlen_ro)
     x = tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(ptrs + partner, mask=rot, other=0.0).to(tl.float32)
     cos = tl.load(COS + pos * stride_cos + c, mask=rot, other=1.0).to(tl.float32)
@@ -75,7 +79,8 @@ def rotary_load(ptrs, d, mask, pos, COS, SIN, stride_cos, rotary_dim, INTERLEAVE
     return x * cos + tl.where(first, -x_partner, x_partner) * sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_btb", "stride_cos", "seqlen_new", "page_size", "page_mul", "page_shift",
+                                 "num_pages", "capacity", "rotary_dim", "seqlen_ro"))
 def _append_kv_kernel(
     K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE, COS, SIN,
     stride_knb, stride_knm, stride_knh,
@@ -83,7 +88,7 @@ def _append_kv_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_btb, stride_cos,
-    seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim,
+    seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
 ):
@@ -106,7 +111,8 @@ def _append_kv_kernel(
 
     k_ptrs = K_NEW + b64 * stride_knb + t[:, None].to(tl.int64) * stride_knm + hk * stride_knh
     if HAS_ROTARY:
-        k = rotary_load(k_ptrs, d, mask, r[:, None], COS, SIN, stride_cos, rotary_dim, ROTARY_INTERLEAVED)
+        k = rotary_load(k_ptrs, d, mask, r[:, None], COS, SIN, stride_cos, rotary_dim, seqlen_ro,
+                        ROTARY_INTERLEAVED)
     else:
         k = tl.load(k_ptrs + d, mask=mask)
     k_dst = K_CACHE + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d

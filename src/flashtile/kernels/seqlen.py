@@ -192,7 +192,7 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
     return b, tile, h, heads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("batch", "bound_tiled", "bound_cost", "entries"))
 def _plan_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, LAST_FIRST_LIST, FIRST_FIRST_LIST,
                  COUNTERS, batch, bound_tiled, bound_cost, entries, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                  HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr, COST_PACKED: tl.constexpr):

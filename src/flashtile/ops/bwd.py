@@ -39,12 +39,12 @@ from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
 from .common import (PACK_KV, PACK_QKV, Plan, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks,
-                     host_desc, list_blocks, pdl_supported, plan_lists, schedule_step, self_attention, tile_grid,
-                     tma_ready, unpack, varlen_plan)
+                     graph_capturing, host_desc, list_blocks, pdl_supported, plan_lists, schedule_step,
+                     self_attention, tile_grid, tma_ready, unpack, varlen_plan)
 from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
-from .launch import Static, head_dims, launch, prepare_launch, signature
+from .launch import Static, head_dims, keep_scratch, launch, prepare_launch, signature
 
 
 _DQ_BLOCKS = descriptor_blocks({"K": "BLOCK_N", "V": "BLOCK_N"})
@@ -136,7 +136,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     else:
         kd, vd = k, v
     # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
-    pdl = not gluon and pdl_supported(q.device) and not torch.cuda.is_current_stream_capturing()
+    pdl = not gluon and pdl_supported(q.device) and not graph_capturing(q.device)
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     scalars = (qk_scale, softcap2, softmax_scale)
 
@@ -168,21 +168,22 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
                       cu_seqlens_q, cu_seqlens_k, plan)
         record("bwd_dq", HOPPER_PATH)
-    else:
+        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
+                        cu_seqlens_q, cu_seqlens_k, plan_k)
+        record("bwd_dkdv", HOPPER_PATH)
+        return grads
+    # The dK/dV kernel may run beside the dQ kernel (PDL): the dQ kernel's descriptor scratch must outlive both
+    # launches (Note [scratch under PDL] in ops/launch.py).
+    with keep_scratch():
         launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
                (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan is None else plan.last_first if listed else plan.schedule, *scalars),
                lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
         record("bwd_dq", TRITON)
-    if gluon:
-        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                        cu_seqlens_q, cu_seqlens_k, plan_k)
-        record("bwd_dkdv", HOPPER_PATH)
-        return grads
-    launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, fp32, key,
-           (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
-            None if plan_k is None else plan_k.schedule, *scalars),
-           lambda: static("bwd_dkdv"), pdl=pdl)
+        launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, fp32, key,
+               (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
+                None if plan_k is None else plan_k.schedule, *scalars),
+               lambda: static("bwd_dkdv"), pdl=pdl)
     record("bwd_dkdv", TRITON)
     return grads
 

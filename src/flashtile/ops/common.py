@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import env
 from ..config import HOPPER, block_d, tile_config
 from ..kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel
-from .launch import launch_fixed, signature
+from .launch import capture_target, launch_fixed, signature
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -101,7 +101,11 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def capability(device: torch.device) -> tuple[int, int]:
-    """The compute capability of a CUDA device, read once per device."""
+    """The compute capability of a CUDA device, read once per device (under launch.capture_launches, the
+    capability of the device it pretends to be)."""
+    target = capture_target()
+    if target is not None:
+        return target[0]
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -111,14 +115,28 @@ def _sm_count(index: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA device, read once per device: a persistent grid's size."""
+    """The streaming multiprocessors of a CUDA device, read once per device: a persistent grid's size (under
+    launch.capture_launches, the pretended device's)."""
+    target = capture_target()
+    if target is not None:
+        return target[1]
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether kernels for `device` are compiled for a GPU: a CUDA device, or any under launch.capture_launches."""
+    return device.type == "cuda" or capture_target() is not None
+
+
+def graph_capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched with programmatic dependent launch (sm_90 and later, not under
     the interpreter, not switched off with FLASHTILE_PDL=0)."""
-    if env.INTERPRET or device.type != "cuda" or not env.pdl():
+    if env.INTERPRET or not on_gpu(device) or not env.pdl():
         return False
     return capability(device) >= (9, 0)
 
@@ -136,9 +154,11 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def tma_strides(t: torch.Tensor) -> list[int]:
-    """t's strides for a TMA descriptor. A dimension of size 1 is never stepped along, but TMA wants every stride
-    16-byte aligned: give it the stride it would have in a contiguous tensor."""
+def kernel_strides(t: torch.Tensor) -> list[int]:
+    """t's strides as every kernel takes them (TMA descriptors and pointer arithmetic alike). A dimension of size
+    1 is never stepped along, so its stride may be anything; give it the stride it would have in a contiguous
+    tensor: TMA wants every stride 16-byte aligned, and a stride of 1 would be an integer Triton specialises into
+    a constant, compiling another kernel (Note [runtime integers] in kernels/__init__.py)."""
     shape, strides = t.shape, list(t.stride())
     if 1 in shape:
         for i in range(len(shape) - 2, -1, -1):
@@ -151,7 +171,7 @@ def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor over a dense (B, S, H, D) or packed (total, H, D) tensor (tma_ready), for
     seqlen.load_rows/store_rows, whose box is one head's (rows, BLOCK_D) tile. An autotuned launch resets the box
     for each config it tries (`descriptor_blocks`)."""
-    shape, strides = list(t.shape), tma_strides(t)
+    shape, strides = list(t.shape), kernel_strides(t)
     box = [rows, 1, block_d(shape[-1])]
     # Built without TensorDescriptor.__init__, whose checks (alignment, strides, block shape) repeat what
     # tma_ready and the tile table guarantee, at 3 µs a descriptor of host time on the H200 machine (Note
@@ -176,10 +196,12 @@ def descriptor_blocks(rows: dict):
 
 
 def bmh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a (B, S, H, D) tensor, or of a (total, H, D) one with batch stride 0."""
+    """(batch, row, head) strides of a (B, S, H, D) tensor, or of a (total, H, D) one with batch stride 0
+    (kernel_strides)."""
+    strides = kernel_strides(t)
     if varlen:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+        return 0, strides[0], strides[1]
+    return strides[0], strides[1], strides[2]
 
 
 def schedule_step(batch: int, varlen: bool) -> int:

@@ -15,7 +15,6 @@ shapes, so a decode step can be captured in a CUDA graph. Argument checking happ
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -26,8 +25,9 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2
-from .launch import launch_opts
+from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, kernel_strides, next_power_of_2, on_gpu
+from .common import sm_count as gpu_sm_count
+from .launch import launch_direct, launch_opts
 from .fwd import logit_scales
 
 _GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
@@ -82,15 +82,9 @@ def decode_config(head_dim: int) -> TileConfig:
     return _DECODE_INTERPRETER if env.INTERPRET else DECODE_TABLE[block_d(head_dim)]
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return _INTERPRETER_SMS
+    """The GPU's multiprocessors (ops/common.sm_count); a pretend small GPU's under the interpreter."""
+    return gpu_sm_count(device) if on_gpu(device) else _INTERPRETER_SMS
 
 
 def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int) -> int:
@@ -134,24 +128,6 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     return opts
 
 
-def production_configs() -> list[tuple[str, dict, dict]]:
-    """Every (kernel, tile constexprs, launch options) a GPU run can launch; the CPU compile check in
-    tests/test_kvcache.py builds each of them for sm_90."""
-    rows = []
-    for d, cfg in DECODE_TABLE.items():
-        block_m = 16
-        while block_m <= cfg.block_m:
-            for paged, tiled in ((False, False), (True, False), (True, True)):
-                tile = {"BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "PAGED": paged,
-                        "PAGE_TILED": tiled}
-                rows.append(("decode", tile, decode_launch_opts(cfg, paged, block_m)))
-            block_m *= 2
-        rows.append(("append_kv", {"BLOCK_D": d, "BLOCK_T": APPEND_BLOCK_T}, SMALL_KERNEL_OPTS))
-        for block_r in COMBINE_BLOCK_R:
-            rows.append(("combine", {"BLOCK_D": d, "BLOCK_R": block_r}, COMBINE_OPTS))
-    return rows
-
-
 def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
     """Rows one sequence can hold."""
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
@@ -163,9 +139,10 @@ def page_args(k_cache: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _rotary_args(rotary_cos):
+    """(stride_cos, rotary_dim, seqlen_ro) of the rotary tables, zeros without them."""
     if rotary_cos is None:
-        return 0, 0
-    return rotary_cos.stride(0), 2 * rotary_cos.shape[1]
+        return 0, 0, 0
+    return kernel_strides(rotary_cos)[0], 2 * rotary_cos.shape[1], rotary_cos.shape[0]
 
 
 @custom_op("flashtile::append_kv", mutates_args=("k_cache", "v_cache"))
@@ -179,16 +156,16 @@ def append_kv(
     batch, seqlen_new, nheads_kv, head_dim = k.shape
     if k.numel() == 0:
         return
-    stride_cos, rotary_dim = _rotary_args(rotary_cos)
+    stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
     grid = (cdiv(seqlen_new, APPEND_BLOCK_T), nheads_kv, batch)
-    _append_kv_kernel[grid](
+    launch_direct(
+        _append_kv_kernel, grid,
         k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *kernel_strides(k)[:3], *kernel_strides(v)[:3],
+        *kernel_strides(k_cache)[:3], *kernel_strides(v_cache)[:3],
         block_table.stride(0) if block_table is not None else 0, stride_cos,
         seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
+        seqlen_ro, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
         PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved, **SMALL_KERNEL_OPTS,
     )
@@ -210,10 +187,11 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
         return
     small, large = COMBINE_BLOCK_R
     block_r = large if n_rows >= large * sm_count(out.device) else small
-    _combine_kernel[(cdiv(n_rows, block_r),)](
+    launch_direct(
+        _combine_kernel, (cdiv(n_rows, block_r),),
         out_partials, lse_partials, out, lse,
-        *out_partials.stride()[:4], *lse_partials.stride()[:4],
-        out.stride(0), out.stride(1), out.stride(2), *lse.stride(),
+        *kernel_strides(out_partials)[:4], *kernel_strides(lse_partials)[:4], *kernel_strides(out)[:3],
+        *kernel_strides(lse),
         num_splits, seqlen_q, nheads, n_rows,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=block_r, **COMBINE_OPTS,
     )
@@ -268,19 +246,18 @@ def decode(
         lse_part = q.new_empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
-    stride_cos, rotary_dim = _rotary_args(rotary_cos)
+    stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype)
     grid = (num_m_tiles * num_splits, nheads_kv, batch)
-    _decode_kernel[grid](
+    launch_direct(
+        _decode_kernel, grid,
         q, k_cache, v_cache, o_part, lse_part, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         alibi_slopes, rotary_cos, rotary_sin,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        stride_os, *o_part.stride()[-4:-1], stride_ls, *lse_part.stride()[-3:],
+        *kernel_strides(q)[:3], *kernel_strides(k_cache)[:3], *kernel_strides(v_cache)[:3],
+        stride_os, *kernel_strides(o_part)[-4:-1], stride_ls, *kernel_strides(lse_part)[-3:],
         block_table.stride(0) if block_table is not None else 0, alibi_batch_stride(alibi_slopes), stride_cos,
         seqlen_q, seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
-        num_splits,
+        seqlen_ro, num_splits,
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,

@@ -30,7 +30,7 @@ import torch
 from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
-from .common import Plan, capability, sm_count, tma_strides
+from .common import Plan, capability, kernel_strides, on_gpu, sm_count
 from .launch import launch_fixed, signature
 
 try:
@@ -59,7 +59,7 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return "switched off by FLASHTILE_HOPPER=0"
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
-    if device.type != "cuda":
+    if not on_gpu(device):
         return f"tensors on {device.type}, not a CUDA device"
     cap = capability(device)
     if cap != (9, 0):
@@ -95,7 +95,7 @@ def _layout(box: tuple, dtype: torch.dtype):
 
 def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
-    shape, strides = list(t.shape), tma_strides(t)
+    shape, strides = list(t.shape), kernel_strides(t)
     box = (*(1,) * (t.dim() - 3), rows, 1, shape[-1])
     # Built without the dataclass's checks (alignment, strides, box), which tma_ready and the config guarantee, as
     # common.host_desc does (Note [launch cache] in ops/launch.py).

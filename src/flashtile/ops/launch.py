@@ -30,9 +30,11 @@ What this module does not do: decide the arguments (ops/fwd.py, ops/bwd.py) or h
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -88,8 +90,38 @@ def _specialisation(values) -> tuple:
     return tuple(native_specialize_impl(BaseBackend, x, False, True, True) for x in values)
 
 
+# Note [scratch under PDL]: kernels that build TMA descriptors on the device (tl.make_tensor_descriptor) write
+# them into a global scratch buffer that Triton's launcher asks _tma_scratch for, once per launch, and drops when
+# the launch call returns. Dropping it is safe for work ordered after the kernel on the stream, which is how
+# PyTorch's caching allocator hands the memory out again, but not for a kernel launched with programmatic
+# dependent launch, which runs beside the one before it: the backward's dK/dV kernel (kernels/bwd.py, Note [delta
+# handoff]) was given the dQ kernel's just-dropped scratch, and its programs wrote their descriptors over those of
+# the dQ programs still running. Those loaded through a descriptor of another tensor and box: wrong rows, or an
+# illegal address (head dims above 128, where the dQ kernel builds its K/V descriptors on the device; seen under
+# load with the backward rerun on one graph). `keep_scratch()` holds every scratch buffer allocated inside it
+# until it exits, after the dependent launch: what is allocated next is ordered after that kernel, which ends
+# only after the one it overlapped (its griddepcontrol.wait).
+_kept = threading.local()
+
+
 def _tma_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    buf = torch.empty(size, dtype=torch.int8, device="cuda")
+    kept = getattr(_kept, "buffers", None)
+    if kept is not None:
+        kept.append(buf)
+    return buf
+
+
+@contextlib.contextmanager
+def keep_scratch():
+    """Keep the device-descriptor scratch of the launches inside alive until the block ends (Note [scratch under
+    PDL])."""
+    outer = getattr(_kept, "buffers", None)
+    _kept.buffers = []
+    try:
+        yield
+    finally:
+        _kept.buffers = outer
 
 
 def prepare_launch(t: torch.Tensor) -> None:
@@ -97,6 +129,53 @@ def prepare_launch(t: torch.Tensor) -> None:
     ContextVar, so set it on every launch: autograd runs the backward on its own thread."""
     if not env.INTERPRET and t.is_cuda:
         triton.set_allocator(_tma_scratch)
+
+
+# Note [launch capture]: the CPU compile check (tests/sm90_compile.py) must build what a GPU run launches, with the
+# integer specialisations and descriptor types Triton's launcher would derive from the real arguments, not a
+# hand-written signature. Inside `capture_launches()` every launch is recorded instead of run (kernel, grid,
+# positional arguments, keyword constexprs and options), and the ops behave as on an sm_90 device with `sms`
+# multiprocessors, so that the Gluon path and the PDL handoff are taken with CPU tensors. Nothing is computed:
+# outputs hold whatever torch.empty gave them.
+class Launch(NamedTuple):
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Capture:  # process-wide: an eager backward may run on autograd's own thread
+    launches: Optional[list] = None
+    capability: tuple = (9, 0)
+    sms: int = 132
+
+
+_capture = _Capture()
+
+
+@contextlib.contextmanager
+def capture_launches(capability: tuple = (9, 0), sms: int = 132):
+    """Record the launches inside instead of running them (Note [launch capture]); yields the list of Launch."""
+    launches: list[Launch] = []
+    _capture.launches, _capture.capability, _capture.sms = launches, capability, sms
+    try:
+        yield launches
+    finally:
+        _capture.launches = None
+
+
+def capture_target() -> Optional[tuple[tuple, int]]:
+    """(capability, multiprocessors) of the device a capture pretends to be, None outside one."""
+    return None if _capture.launches is None else (_capture.capability, _capture.sms)
+
+
+def launch_direct(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), for the launches that skip the launch cache (decode, append, combine), or
+    its record under capture_launches."""
+    if _capture.launches is not None:
+        _capture.launches.append(Launch(kernel, tuple(grid), args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
 
 
 def launch_opts(cfg: TileConfig) -> dict:
@@ -133,6 +212,13 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
     `pdl`: launch with programmatic dependent launch (sm_90+), so that the kernel's programs may start while the
     previous kernel's last ones still run; the kernel must itself wait for what it reads from that kernel.
     """
+    if _capture.launches is not None:
+        s = static()
+        cfg = tile_config(name, head_dim, fp32)
+        options = launch_opts(cfg) | ({"launch_pdl": True} if pdl else {})
+        _capture.launches.append(Launch(kernel, _grid(s, cfg), (*dynamic, *s.args), s.constexprs | cfg.kwargs() |
+                                        options))
+        return
     if env.autotune() and not env.INTERPRET:
         s = static()
         _autotuned(kernel, name, pre_hook)[lambda meta: s.grid(meta["BLOCK_M"], meta["BLOCK_N"])](
@@ -172,6 +258,10 @@ def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, c
     """Launch `kernel[grid](*dynamic, *static_args, **constexprs)` whose tile is already in `constexprs` (the Gluon
     kernels: ops/hopper.py; the varlen schedule and tile list: ops/common.py), through the launch cache: `key`
     must determine grid, static_args and constexprs."""
+    if _capture.launches is not None:
+        _capture.launches.append(Launch(kernel, tuple(grid), (*dynamic, *static_args),
+                                        constexprs | {"num_warps": num_warps}))
+        return
     device = torch.cuda.current_device() if not env.INTERPRET else -1
     full_key = (kernel, device, key)
     entry = _CACHE.get(full_key) if not _hooked() else None
