@@ -16,7 +16,7 @@ import triton.language as tl
 
 import flashtile
 from flashtile.kernels.seqlen import tile_coords
-from flashtile.testing import attention_ref, check_close, nan_guarded
+from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded
 
 MASKS = {  # name -> (causal, window_size)
     "none": (False, (-1, -1)),
@@ -43,26 +43,46 @@ def varlen_inputs(device, lens_q, lens_k, nheads=4, nheads_kv=2, head_dim=32, dt
     return q, k, v, dout, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
 
 
-def reference(q, k, v, lens_q, lens_k, used_q=None, used_k=None, alibi_slopes=None, upcast=True, **kw):
-    """Per-sequence attention_ref, packed back: (out (total_q, H, D), lse (H, total_q)). Rows past used_q[b] are
-    0 with lse +inf and depend on nothing; keys past used_k[b] are not attended to."""
+def reference(q, k, v, lens_q, lens_k, used_q=None, used_k=None, alibi_slopes=None, upcast=True, dout=None,
+              **kw):
+    """Per-sequence attention_ref, packed back: (out (total_q, H, D), lse (H, total_q)), and with dout the
+    accumulation floors (testing.accumulation_floor) of out, lse, dq, dk and dv, packed the same way. Rows past
+    used_q[b] are 0 with lse +inf and depend on nothing; keys past used_k[b] are not attended to."""
     outs, lses = [], []
+    floors = {name: [] for name in ("out", "lse", "dq", "dk", "dv")}
     q0 = k0 = 0
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         uq = sq if used_q is None else used_q[b]
         uk = sk if used_k is None else used_k[b]
         slopes = None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
         out = q.new_zeros((sq, q.shape[1], q.shape[2]))
-        lse = torch.full((q.shape[1], sq), float("inf"), device=q.device)
+        lse = torch.full((q.shape[1], sq), float("inf"), device=q.device, dtype=torch.float64 if upcast else
+                         torch.float32)
+        f64 = dict(dtype=torch.float64, device=q.device)
+        seq_floors = {"out": torch.zeros(out.shape, **f64), "dq": torch.zeros(out.shape, **f64),
+                      "lse": torch.zeros(q.shape[1], sq, **f64), "dk": torch.zeros((sk, *k.shape[1:]), **f64),
+                      "dv": torch.zeros((sk, *k.shape[1:]), **f64)}
         if uq > 0:
-            o, s = attention_ref(q[None, q0:q0 + uq], k[None, k0:k0 + uk], v[None, k0:k0 + uk],
-                                 alibi_slopes=slopes, upcast=upcast, **kw)
+            qs, ks, vs = q[None, q0:q0 + uq], k[None, k0:k0 + uk], v[None, k0:k0 + uk]
+            o, s, probs = attention_ref(qs, ks, vs, alibi_slopes=slopes, upcast=upcast, return_probs=True, **kw)
             out = torch.cat([o[0], out[uq:]])
             lse = torch.cat([s[0], lse[:, uq:]], dim=1)
+            if dout is not None:
+                f = accumulation_floor(qs, ks, vs, dout[None, q0:q0 + uq], o, probs)
+                seq_floors["out"][:uq] = f["out"][0]
+                seq_floors["dq"][:uq] = f["dq"][0]
+                seq_floors["lse"][:, :uq] = f["lse"][0]
+                seq_floors["dk"][:uk] = f["dk"][0]
+                seq_floors["dv"][:uk] = f["dv"][0]
         outs.append(out)
         lses.append(lse)
+        for name in floors:
+            floors[name].append(seq_floors[name])
         q0, k0 = q0 + sq, k0 + sk
-    return torch.cat(outs), torch.cat(lses, dim=1)
+    result = torch.cat(outs), torch.cat(lses, dim=1)
+    if dout is None:
+        return result
+    return (*result, {name: torch.cat(parts, dim=1 if name == "lse" else 0) for name, parts in floors.items()})
 
 
 def run_varlen(device, lens_q, lens_k, nheads=2, nheads_kv=2, head_dim=32, dtype=torch.float16, causal=False,
@@ -94,17 +114,17 @@ def run_varlen(device, lens_q, lens_k, nheads=2, nheads_kv=2, head_dim=32, dtype
                                                    **seq_kw)
     grads = torch.autograd.grad(out, inputs, dout)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference(*ref_in, lens_q, lens_k, used_q, used_k, alibi_slopes, **kw)
+    ref_out, ref_lse, floors = reference(*ref_in, lens_q, lens_k, used_q, used_k, alibi_slopes, dout=dout, **kw)
     ref_grads = torch.autograd.grad(ref_out, ref_in, dout, allow_unused=True, materialize_grads=True)
     pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     pt_out, pt_lse = reference(*pt_in, lens_q, lens_k, used_q, used_k, alibi_slopes, upcast=False, **kw)
     pt_grads = torch.autograd.grad(pt_out, pt_in, dout, allow_unused=True, materialize_grads=True)
 
-    check_close("out", out, ref_out, pt_out, 2)
-    check_close("lse", lse, ref_lse, pt_lse.to(dtype), 2)
+    check_close("out", out, ref_out, pt_out, 2, floor=floors["out"])
+    check_close("lse", lse, ref_lse, pt_lse.to(dtype), 2, floor=floors["lse"])
     scale = max((t.abs().max().item() for t in ref_grads if t.numel()), default=1.0)
     for name, ours, ref, pt in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
-        check_close(name, ours, ref, pt, 3, scale)
+        check_close(name, ours, ref, pt, 3, scale, floor=floors[name])
     return out, lse, grads
 
 
