@@ -1,210 +1,294 @@
-"""Compile flashtile's prefill kernels (Triton, and the Gluon Hopper ones) for sm_90 on a machine without a GPU,
-and report shared memory.
+"""Build, for sm_90 and on a machine without a GPU, every kernel that a GPU run of flashtile's scenarios launches,
+and report shared memory, registers, spills and whether ptxas serialised the wgmma.
 
-Run as a script (it must not see TRITON_INTERPRET): `python tests/sm90_compile.py [--all-flags] [--ptxas]`.
-Prints one JSON line per compiled kernel: kernel, head dim, config, flags, shared bytes, and whether the PTX uses
-wgmma and TMA; the registers, spill bytes and whether ptxas serialised the wgmma that the ptxas bundled with
-Triton reports for sm_90a, for every kernel that uses wgmma (and with --ptxas for the rest too).
-tests/test_compile.py runs it in a subprocess; it is also how to read PTX and register pressure without spending
-GPU time.
+What is compiled is what the launchers ask for, not a signature written here: the scenarios below call the public
+API on CPU tensors inside `ops.launch.capture_launches()` (Note [launch capture]), which records every launch
+(kernel, grid, arguments, constexprs, options) instead of running it and makes the ops behave as on an sm_90
+device, so the Gluon path and the PDL handoff are taken. Each launch then goes through Triton's own binder for an
+sm_90 target, which derives the signature, the constexprs and the integer and pointer specialisations exactly as
+Triton's launcher would from those arguments: a length of 1, a stride divisible by 16, a host TMA descriptor's box
+and layout. Launches that derive the same compile are built once.
+
+The scenarios span every tile config of config.py's tables (each padded head dim, 2-byte and fp32 inputs), the
+feature sets the old hand-written matrix had (dense, causal, everything on, paged), head dims below their tile
+(masked columns), strides that are not multiples of 16, the Gluon kernels' dense / causal / window / varlen
+variants, decode's tiles and flags, and the lengths, batch sizes, head counts and windows of 1 that Triton
+specialises into constants unless a kernel says otherwise (Note [runtime integers] in kernels/__init__.py): a
+ptxas crash on such a specialisation (SIGSEGV, "error code -11") reached users before this check built them.
+
+Run as a script (it must not see TRITON_INTERPRET):
+    python tests/sm90_compile.py [--group NAME] [--list]
+--list prints every group and its compiles without building; --group builds one group (tests/test_compile.py runs
+each group in its own subprocess, so pytest-xdist spreads them). One JSON line per compile.
 """
 
+from __future__ import annotations
+
+import contextlib
+import io
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
+import time
 
 assert not os.environ.get("TRITON_INTERPRET"), "sm90_compile.py must run without TRITON_INTERPRET"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from flashtile.config import HOPPER, production_configs  # noqa: E402
-from flashtile.kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel  # noqa: E402
-from flashtile.kernels.fwd import _attn_fwd_kernel  # noqa: E402
-from flashtile.kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel  # noqa: E402
-from flashtile.ops.fwd import HOST_DESCRIPTOR_MAX_D  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-from flashtile.kernels.hopper_bwd import _hopper_dkdv_kernel  # noqa: E402
-from flashtile.kernels.hopper_dq import _hopper_dq_kernel  # noqa: E402
-from flashtile.kernels.hopper_fwd import _hopper_fwd_kernel  # noqa: E402
+import flashtile  # noqa: E402
+from flashtile.config import TABLE  # noqa: E402
+from flashtile.ops.decode import DECODE_TABLE, decode_config, packed_tile  # noqa: E402
+from flashtile.ops.launch import capture_launches  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use
-KERNELS = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel, "bwd_dq": _bwd_dq_kernel}
-# Pointer arguments and their element types; the rest are i32 scalars, fp32 scalars (below) or constexprs.
-FP32_POINTERS = {"LSE", "DELTA", "ALIBI"}
-I32_POINTERS = {"READY", "TILES", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K", "SCHEDULE", "BLOCK_TABLE",
-                "CU_TILED", "SEQUSED_TILED", "CU_COST", "SEQUSED_COST", "COUNTER", "COUNTERS",
-                "LAST_FIRST_LIST", "FIRST_FIRST_LIST"}
-FP32_SCALARS = {"qk_scale", "softcap2", "softmax_scale"}
-I64_SCALARS = {"page_mul"}  # ops/common.fast_divisor's multiplier is >= 2^31: Triton passes it as int64
-# Kernels that take host-built TMA descriptors (DESC 1: dense, 2: packed varlen, whose O stays a pointer; ops/fwd.py,
-# Note [host descriptors]): the forward for Q, K, V, O, the dQ kernel for the K and V it streams. Kernel -> argument
-# -> box rows.
-HOST_DESCS = {"_attn_fwd_kernel": {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"},
-              "_bwd_dq_kernel": {"K": "BLOCK_N", "V": "BLOCK_N"}}
-OPTIONAL = {"ALIBI": "HAS_ALIBI", "CU_SEQLENS_Q": "IS_VARLEN", "CU_SEQLENS_K": "IS_VARLEN",
-            "SEQUSED_Q": "HAS_SEQUSED_Q", "SEQUSED_K": "HAS_SEQUSED_K", "SCHEDULE": "IS_VARLEN",
-            "BLOCK_TABLE": "PAGED", "SEQUSED_TILED": "HAS_SEQUSED_TILED", "SEQUSED_COST": "HAS_SEQUSED_COST"}
+TARGET = GPUTarget("cuda", 90, 32)
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-# Integer arguments that production calls usually pass as multiples of 16 (sequence lengths): Triton's launcher
-# specialises them so, and that changes the code ptxas sees. The ptxas bundled with Triton 3.6 crashed on the
-# causal d32 dQ kernel only with this specialisation (config.py), so the check compiles what the GPU compiles.
-DIVISIBLE_INTS = {"seqlen_q", "seqlen_k"}
+def _rand(*shape, dtype=BF16, grad=False):
+    return torch.randn(*shape).to(dtype).requires_grad_(grad)
 
 
-def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, dtype: str = "bf16"):
-    # Pointers and strides (ALiBi's batch stride aside) get the 16-divisibility Triton's launcher specialises on for
-    # aligned tensors, so that pointer loads (the paged forward's K/V gathers, the backward's held tiles) are
-    # vectorised and pipelined with cp.async as they are in production.
-    signature, consts, attrs = {}, dict(constexprs), {}
-    for idx, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in OPTIONAL and OPTIONAL[name] in fn.arg_names and not constexprs.get(OPTIONAL[name], False):
-            signature[name] = "constexpr"
-            consts[name] = None
-        elif (name in HOST_DESCS.get(fn.__name__, ()) and constexprs.get("DESC", 0) != 0
-              and (name != "O" or constexprs["DESC"] == 1)):
-            rows, d = constexprs[HOST_DESCS[fn.__name__][name]], constexprs["BLOCK_D"]
-            signature[name] = f"tensordesc<{dtype}[{'1,' if constexprs['DESC'] == 1 else ''}{rows},1,{d}]>"
-        elif name.isupper():
-            elem = "fp32" if name in FP32_POINTERS else "i32" if name in I32_POINTERS else dtype
-            signature[name] = "*" + elem
-            attrs[(idx,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name in FP32_SCALARS else "i64" if name in I64_SCALARS else "i32"
-            if (name.startswith("stride_") and name != "stride_ab") or name in DIVISIBLE_INTS:
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-# PAGED exists only in the forward; a flag set that needs it is skipped for kernels without it.
-_DENSE = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, PAGED=False, DESC=1,
-              MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-              DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=False, PUBLISH=True)
-FLAG_SETS = {
-    "dense": _DENSE,
-    "causal": dict(_DENSE, MASK_RIGHT=True),
-    "all": dict(IS_VARLEN=True, HAS_SEQUSED_Q=True, HAS_SEQUSED_K=True, PAGED=False, DESC=2,
-                MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False,
-                DOT_PRECISION="tf32", PDL=True, STEP=MAX_STEP, LISTED=True, PUBLISH=False),
-    "paged": dict(IS_VARLEN=True, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=True, PAGED=True, DESC=0,
-                  MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, UPCAST=False,
-                  DOT_PRECISION="tf32", STEP=MAX_STEP),
-}
+def dense(d, dtype, b=2, sq=100, sk=100, h=4, hk=2, backward=True, **kw):
+    """flash_attn_func forward (+ backward) of (b, sq, h, d) queries over (b, sk, hk, d) keys."""
+    q = _rand(b, sq, h, d, dtype=dtype, grad=backward)
+    k, v = (_rand(b, sk, hk, d, dtype=dtype, grad=backward) for _ in range(2))
+    out = flashtile.flash_attn_func(q, k, v, **kw)
+    if backward:
+        out.float().sum().backward()
 
 
-# The Gluon Hopper kernels (ops/hopper.py): tensor arguments -> the tile-config field giving their box rows, of the
-# host descriptors both dense and varlen batches pass for them.
-HOPPER_KERNELS = {"fwd": _hopper_fwd_kernel, "bwd_dkdv": _hopper_dkdv_kernel, "bwd_dq": _hopper_dq_kernel}
-HOPPER_TENSORS = {"Q": "block_m", "O": "block_m", "DO": "block_m", "K": "block_n", "V": "block_n", "DK": "block_n",
-                  "DV": "block_n", "DQ": "block_m"}
-# Output tensors a varlen batch also passes as pointers, for the partial last tile of a sequence.
-HOPPER_POINTERS = {"O_PTR", "DK_PTR", "DV_PTR", "DQ_PTR"}
-# Tensors passed as pointers either way: the forward's output, which the dQ kernel reads for delta.
-HOPPER_DATA_POINTERS = {"OUT"}
-# (MASK_LEFT, MASK_RIGHT, IS_VARLEN): no mask, causal, sliding window; causal varlen.
-HOPPER_FLAGS = {"dense": (False, False, False), "causal": (False, True, False), "window": (True, True, False),
-                "varlen causal": (False, True, True)}
+def varlen(d, dtype, lens_q=(70, 1, 130), lens_k=None, h=4, hk=2, backward=True, seqused=False, paged=None,
+           **kw):
+    """flash_attn_varlen_func forward (+ backward); paged: page size of a paged K/V cache (forward only)."""
+    lens_k = lens_q if lens_k is None else lens_k
+    q = _rand(sum(lens_q), h, d, dtype=dtype, grad=backward)
+    extra = {}
+    if paged:
+        pages = [-(-n // paged) for n in lens_k]
+        k, v = (_rand(sum(pages) + 1, paged, hk, d, dtype=dtype) for _ in range(2))
+        table = torch.zeros(len(lens_k), max(pages), dtype=torch.int32)
+        first = 0
+        for b, n in enumerate(pages):
+            table[b, :n] = torch.arange(first, first + n)
+            first += n
+        extra["block_table"] = table
+    else:
+        k, v = (_rand(sum(lens_k), hk, d, dtype=dtype, grad=backward) for _ in range(2))
+    if seqused:
+        extra.update(seqused_q=torch.tensor([max(n - 1, 0) for n in lens_q], dtype=torch.int32),
+                     seqused_k=torch.tensor([max(n - 2, 0) for n in lens_k], dtype=torch.int32))
+    out = flashtile.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), **kw,
+                                           **extra)
+    if backward:
+        out.float().sum().backward()
 
 
-def compile_hopper(kernel: str, head_dim: int, cfg, mask_left: bool, mask_right: bool, varlen: bool = False,
-                   group: int = 2):
-    """One Gluon Hopper kernel for sm_90, with the descriptors ops/hopper.py builds ((1, rows, 1, D) boxes over
-    dense tensors, (rows, 1, D) over packed ones)."""
-    fn = HOPPER_KERNELS[kernel]
-    consts = dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, IS_VARLEN=varlen,
-                  **cfg.kwargs())
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in HOPPER_DATA_POINTERS:
-            signature[name] = "*bf16"
-        elif name in HOPPER_POINTERS:
-            signature[name] = "*bf16" if varlen else "constexpr"
-            if not varlen:
-                consts[name] = None
-        elif name in HOPPER_TENSORS:
-            box = [*([] if varlen else [1]), getattr(cfg, HOPPER_TENSORS[name]), 1, head_dim]
-            layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
-            signature[name] = f"tensordesc<bf16[{','.join(map(str, box))}],{layout!r}>"
-        elif name in I32_POINTERS:
-            signature[name] = "*i32" if varlen else "constexpr"
-            if not varlen:
-                consts[name] = None
-        elif name in FP32_POINTERS:
-            signature[name] = "*fp32"
-        elif name in FP32_SCALARS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, splits=0, features=True):
+    """flash_attn_with_kvcache: sq new queries over a (cap-row) cache, contiguous or paged with `page`-row pages,
+    appending `append` tokens; `features`: rotary, ALiBi, softcap, a window, cache_leftpad (and cache_batch_idx on
+    a contiguous cache)."""
+    kw = {}
+    if page:
+        n = cap // page
+        k_cache, v_cache = (_rand(b * n, page, hk, d, dtype=dtype) for _ in range(2))
+        kw["block_table"] = torch.arange(b * n, dtype=torch.int32).reshape(b, n)
+    else:
+        k_cache, v_cache = (_rand(b, cap, hk, d, dtype=dtype) for _ in range(2))
+        if features:
+            kw["cache_batch_idx"] = torch.arange(b, dtype=torch.int32).flip(0)
+    q = _rand(b, sq, h, d, dtype=dtype)
+    k, v = (_rand(b, append, hk, d, dtype=dtype) for _ in range(2)) if append else (None, None)
+    seqlens = torch.full((b,), cap // 2, dtype=torch.int32)
+    if features:
+        rot = d // 2 if d >= 16 else d
+        cos, sin = (torch.rand(cap, rot // 2).to(dtype) for _ in range(2))
+        kw.update(rotary_cos=cos, rotary_sin=sin, alibi_slopes=torch.rand(h), softcap=10.0, window_size=(64, 0),
+                  cache_leftpad=torch.full((b,), 3, dtype=torch.int32))
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=splits, **kw)
 
 
-def ptxas_report(ptx: str) -> dict:
-    """Registers and spill bytes of one kernel, from `ptxas -v` (the copy inside Triton's wheel)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    try:
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True).stderr
-    finally:
-        os.unlink(f.name)
-    # "wgmma.mma_async instructions are serialized due to ..." (C7511, C7512, ...): ptxas put a wait after every
-    # wgmma of the kernel, which it does for instance when a wgmma result still in flight is the value of a branch
-    # (an scf.if yield: its registers get moved), or when the accumulators in flight need more registers than it
-    # has; "warpgroup.wait is injected" (C7517): it added one. Neither may happen in a production kernel (PERF.md
-    # v18).
-    return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-            "spill_stores": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
-            "wgmma_serialized": "instructions are serialized" in log or "warpgroup.wait is injected" in log}
+def scenarios():
+    """(name, thunk) pairs; each thunk calls the API and so launches kernels. Feature sets as the old matrix had
+    them (no mask; causal; everything on: varlen, seqused, both window sides, softcap, ALiBi; paged), MHA and GQA
+    both, so that GROUP 1 and 2 are built; the scenarios of lengths 1 reuse the causal ones' heads, so that
+    where no integer is specialised they derive the compiles already built."""
+    out = []
+    every = dict(causal=True, window_size=(24, -1), softcap=8.0)
+    for d in sorted(TABLE["fwd"]):
+        name = f"d{d}"
+        out += [(f"{name} dense", lambda d=d: dense(d, BF16, h=4, hk=4)),
+                (f"{name} causal", lambda d=d: dense(d, BF16, causal=True)),
+                (f"{name} varlen causal", lambda d=d: varlen(d, BF16, h=2, hk=2, causal=True)),
+                (f"{name} varlen everything", lambda d=d: varlen(
+                    d, BF16, seqused=True, alibi_slopes=torch.rand(3, 4), **every)),
+                (f"{name} everything", lambda d=d: dense(d, BF16, alibi_slopes=torch.rand(4), **every)),
+                (f"{name} paged", lambda d=d: varlen(d, BF16, backward=False, paged=16, causal=True)),
+                (f"{name} fp32 dense", lambda d=d: dense(d, FP32, h=4, hk=4)),
+                (f"{name} fp32 paged", lambda d=d: varlen(d, FP32, backward=False, paged=16, causal=True)),
+                # Lengths, batches and windows of 1 (Note [runtime integers]), and the shapes that crashed ptxas
+                # when Triton specialised them: dense causal 239 x 1; one query over 339 keys, causal and local;
+                # a length-1 sequence; one query per sequence, varlen; pages of one row.
+                (f"{name} ones: 239x1 causal", lambda d=d: dense(d, BF16, sq=239, sk=1, causal=True)),
+                (f"{name} ones: 1x339 causal", lambda d=d: dense(d, BF16, sq=1, sk=339, causal=True)),
+                (f"{name} ones: 1x339 local", lambda d=d: dense(d, BF16, sq=1, sk=339, window_size=(1, 1))),
+                (f"{name} ones: b1 1x1", lambda d=d: dense(d, BF16, b=1, sq=1, sk=1, causal=True)),
+                (f"{name} ones: varlen 1", lambda d=d: varlen(d, BF16, lens_q=(1,), h=2, hk=2, causal=True)),
+                (f"{name} ones: varlen 8 x 1 over 219-239", lambda d=d: varlen(
+                    d, BF16, lens_q=(1,) * 8, lens_k=(219, 222, 225, 228, 231, 234, 237, 239), h=2, hk=2,
+                    causal=True)),
+                (f"{name} ones: pages of 1", lambda d=d: varlen(
+                    d, BF16, lens_q=(1, 5), backward=False, paged=1, causal=True))]
+    # fp32 with every feature where its true-fp32 dots compile in seconds (d <= 64; at d128 and d256 each kernel
+    # takes ptxas 20-60 s, and the features change none of the dot code that costs it).
+    out += [(f"d{d} fp32 varlen everything", lambda d=d: varlen(d, FP32, seqused=True, alibi_slopes=torch.rand(3, 4),
+                                                                 **every)) for d in (16, 32, 64)]
+    # Head dims below their tile (columns masked on load and store), strides that are not multiples of 16, fp16,
+    # and the Gluon kernels' other mask and layout variants.
+    out += [(f"d{d} varlen everything", lambda d=d: varlen(d, BF16, seqused=True, **every))
+            for d in (8, 40, 96, 160, 224)]
+    out += [("d40 h3 odd strides", lambda: dense(40, BF16, h=3, hk=3, causal=True)),
+            ("d64 fp16 causal", lambda: dense(64, FP16, causal=True)),
+            ("d256 fp16 causal", lambda: dense(256, FP16, causal=True)),
+            ("d128 window", lambda: dense(128, BF16, window_size=(40, 8))),
+            ("d128 varlen", lambda: varlen(128, BF16)),
+            ("d128 varlen window", lambda: varlen(128, BF16, window_size=(40, 8)))]
+    # Decode: every tile of DECODE_TABLE's (BLOCK_M from one token's GQA group up to the table's), contiguous,
+    # paged with pages smaller than a key tile and paged with whole tiles, every flag on; the plain step with one
+    # split (output in q's dtype) and several (fp32 partials and combine); fp32; the append kernel's variants.
+    for d in sorted(DECODE_TABLE):
+        cfg = decode_config(d)
+        for page in (None, 1, 256):
+            sq = 1
+            while True:
+                block_m = packed_tile(4, sq, cfg)[0]
+                out.append((f"decode d{d} page {page} rows {block_m}", lambda d=d, p=page, s=sq: kvcache(
+                    d, BF16, sq=s, page=p, append=s)))
+                if block_m >= cfg.block_m:
+                    break
+                sq *= 8 if sq == 1 else 2
+        out += [(f"decode d{d} plain", lambda d=d: kvcache(d, BF16, features=False, append=0, splits=1)),
+                (f"decode d{d} plain split", lambda d=d: kvcache(d, BF16, features=False, splits=4)),
+                (f"decode d{d} fp32", lambda d=d: kvcache(d, FP32, features=False, splits=4)),
+                (f"combine d{d}", lambda d=d: flashtile.combine(torch.randn(3, 2, 5, 4, d),
+                                                                torch.randn(3, 2, 4, 5), BF16)),
+                (f"combine d{d} many rows", lambda d=d: flashtile.combine(torch.randn(2, 8, 64, 16, d),
+                                                                          torch.randn(2, 8, 16, 64)))]
+    return out
+
+
+def specialise(launch) -> tuple:
+    """(kernel, signature, constexprs, attrs, options) of a recorded launch, as Triton's launcher derives them for
+    an sm_90 device (JITFunction.run: its binder, then _pack_args)."""
+    fn = launch.kernel
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(launch.kwargs), bound, specialization,
+                                                          options)
+    return fn, signature, constexprs, attrs, options
+
+
+def _key(spec) -> str:
+    fn, signature, constexprs, attrs, options = spec
+    return repr((fn.__name__, sorted(signature.items()), sorted((k, repr(v)) for k, v in constexprs.items()),
+                 sorted((k, repr(v)) for k, v in attrs.items()), sorted(options.__dict__.items())))
+
+
+def group(spec) -> str:
+    """Which test_compile group builds a compile: kernel family and padded head dim."""
+    fn, _, constexprs, _, _ = spec
+    name = fn.__name__
+    by_name = {fn.arg_names[path[0]]: v for path, v in constexprs.items()}
+    d = by_name.get("BLOCK_D", by_name.get("HEAD_DIM", 0))
+    if name.startswith("_hopper"):
+        return "hopper"
+    if name in ("_decode_kernel", "_append_kv_kernel", "_combine_kernel"):
+        return f"decode-{d}"
+    if name == "_plan_kernel":
+        return "plan"
+    return f"prefill-{d}"
+
+
+GROUPS = (["plan", "hopper"] + [f"prefill-{d}" for d in sorted(TABLE["fwd"])]
+          + [f"decode-{d}" for d in sorted(DECODE_TABLE)])
+
+
+def collect() -> dict[str, tuple]:
+    """Every distinct compile the scenarios launch: key -> (spec, scenarios that launch it)."""
+    specs: dict[str, tuple] = {}
+    torch.manual_seed(0)
+    for name, thunk in scenarios():
+        with capture_launches() as launches:
+            thunk()
+        assert launches, f"scenario {name!r} launched nothing"
+        for launch in launches:
+            spec = specialise(launch)
+            entry = specs.setdefault(_key(spec), (spec, []))
+            entry[1].append(name)
+    return specs
+
+
+def _ptxas(log: str) -> dict:
+    """Registers, spill bytes and serialised-wgmma warnings from ptxas -v's log (Triton runs ptxas with -v)."""
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    # "wgmma.mma_async instructions are serialized due to ..." (C7511, C7512, ...), or an injected
+    # warpgroup.wait (C7517): ptxas waits after every wgmma, which may not happen in a production kernel.
+    serialized = "instructions are serialized" in log or "warpgroup.wait is injected" in log
+    return {"registers": max(regs, default=0), "spill_stores": max(spills, default=0),
+            "wgmma_serialized": serialized}
+
+
+def build(spec) -> dict:
+    fn, signature, constexprs, attrs, options = spec
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
+    src = source(fn, signature, constexprs, attrs)
+    log = io.StringIO()
+    knobs.nvidia.dump_ptxas_log = True
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+    seconds = time.perf_counter() - start
+    ptx = compiled.asm["ptx"]
+    row = {"kernel": fn.__name__, "shared": compiled.metadata.shared, "wgmma": "wgmma" in ptx,
+           "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+           "num_warps": options.num_warps, "num_stages": options.num_stages, "seconds": round(seconds, 1)}
+    by_name = {fn.arg_names[path[0]]: v for path, v in constexprs.items()}
+    row |= {name: v for name, v in by_name.items() if name.isupper() and v is not None}
+    # Integer arguments Triton turned into constants (a value of 1): Note [runtime integers].
+    row["ints_as_constants"] = sorted(name for name, v in by_name.items() if not name.isupper()
+                                      and isinstance(v, int) and not isinstance(v, bool))
+    return row | _ptxas(log.getvalue())
 
 
 def main(argv):
-    flag_sets = FLAG_SETS if "--all-flags" in argv else {"dense": FLAG_SETS["dense"]}
-    for kernel, d, cfg, dtype in production_configs():
-        fn = KERNELS[kernel]
-        for flag_name, flags in flag_sets.items():
-            if flags["PAGED"] and "PAGED" not in fn.arg_names:
-                continue
-            flags = {name: value for name, value in flags.items() if name in fn.arg_names}
-            if flags.get("DESC") and d > HOST_DESCRIPTOR_MAX_D:
-                flags["DESC"] = 0  # what the launcher passes for such head dims (ops/fwd.py)
-            if dtype == "fp32" and "DOT_PRECISION" in flags:
-                flags["DOT_PRECISION"] = "ieee"  # what problem.kernel_flags gives fp32 inputs
-            consts = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags)
-            c = compile_kernel(fn, consts, cfg.num_warps, cfg.num_stages, dtype)
-            ptx = c.asm["ptx"]
-            row = {"kernel": kernel, "head_dim": d, "dtype": dtype, "config": [cfg.block_m, cfg.block_n,
-                   cfg.num_warps, cfg.num_stages], "flags": flag_name, "shared": c.metadata.shared,
-                   "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
-            if "--ptxas" in argv or row["wgmma"]:  # every kernel with wgmma is checked for serialised ones
-                row |= ptxas_report(ptx)
-            print(json.dumps(row), flush=True)
-    for kernel, by_d in HOPPER.items():
-        for d, cfg in by_d.items():
-            for mask_name, (mask_left, mask_right, varlen) in HOPPER_FLAGS.items():
-                c = compile_hopper(kernel, d, cfg, mask_left, mask_right, varlen)
-                ptx = c.asm["ptx"]
-                row = {"kernel": f"hopper_{kernel}", "head_dim": d, "config": [cfg.block_m, cfg.block_n, cfg.stages],
-                       "flags": mask_name, "shared": c.metadata.shared, "wgmma": "wgmma" in ptx,
-                       "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
-                row |= ptxas_report(ptx)
-                print(json.dumps(row), flush=True)
-    c = compile_kernel(_plan_kernel, dict(BLOCK_B=MAX_SORT, BLOCK=128, HAS_SEQUSED_TILED=True, HAS_SEQUSED_COST=False,
-                                          COST_PACKED=True), 4, 1)
-    print(json.dumps({"kernel": "plan", "block_b": MAX_SORT, "shared": c.metadata.shared}), flush=True)
+    specs = collect()
+    chosen = argv[argv.index("--group") + 1] if "--group" in argv else None
+    for key, (spec, names) in specs.items():
+        g = group(spec)
+        assert g in GROUPS, f"{spec[0].__name__} falls in no compile group ({g})"
+        if chosen is not None and g != chosen:
+            continue
+        if "--list" in argv:
+            print(json.dumps({"group": g, "kernel": spec[0].__name__, "scenarios": names}), flush=True)
+            continue
+        row = build(spec)
+        row |= {"group": g, "scenarios": names[:3] + ([f"... {len(names) - 3} more"] if len(names) > 3 else [])}
+        print(json.dumps(row, default=str), flush=True)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])
