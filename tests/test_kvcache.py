@@ -10,12 +10,7 @@ The interpreter tier keeps shapes tiny (the decode tiles are 16 x 16 there, so c
 several key blocks, splits and, with enough packed query rows, M tiles). `pytest -m gpu` runs real sizes in bf16.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -417,6 +412,79 @@ def test_debug_checks(name, monkeypatch):
         kvcache.flash_attn_with_kvcache(**args)
 
 
+PAGED_CHECKED = {  # flash-attn raises for these in eager mode; so does flashtile, naming the argument
+    "seqlens_past_block_table": (dict(cache_seqlens=torch.tensor([10, 60], dtype=torch.int32), **_new_kv(5)),
+                                 "cache_seqlens\\[1\\] = 60.*block_table"),
+    "negative_seqlens": (dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), "cache_seqlens\\[0\\]"),
+    "append_past_the_end": (dict(cache_seqlens=torch.tensor([64, 0], dtype=torch.int32), **_new_kv()),
+                            "cache_seqlens\\[0\\] = 64"),
+    "page_out_of_range": (dict(block_table=torch.tensor([[0, 1, 2, 3], [4, 9, 6, 7]], dtype=torch.int32)),
+                          "block_table\\[1, 1\\] = 9"),
+    "negative_page": (dict(block_table=torch.tensor([[0, 1, 2, 3], [-2, 5, 6, 7]], dtype=torch.int32)),
+                      "block_table\\[1, 0\\] = -2"),
+    "leftpad_past_seqlens": (dict(cache_leftpad=torch.tensor([0, 21], dtype=torch.int32)), "cache_leftpad\\[1\\]"),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGED_CHECKED))
+def test_paged_values_checked_in_eager_mode(name):
+    """A paged cache's index values are checked without FLASHTILE_CHECK, as flash-attn checks them (one
+    device-to-host copy), and the error names the argument; no cache is written before the check."""
+    overrides, match = PAGED_CHECKED[name]
+    pages = dict(k_cache=torch.zeros(8, 16, 2, 32, dtype=torch.float16),
+                 v_cache=torch.zeros(8, 16, 2, 32, dtype=torch.float16),
+                 block_table=torch.arange(8, dtype=torch.int32).reshape(2, 4))
+    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v)
+            for k, v in _inputs(**{**pages, **overrides}).items()}
+    before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match=match):
+        kvcache.flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], before)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_rotary_tables_as_long_as_the_cache(causal, page_size):
+    """flash-attn's rule, seqlen_ro >= capacity, with more queries than appended keys: under a causal mask the
+    last queries sit past the cache's last row. Their positions get no rotation, and no table row past seqlen_ro
+    is read (the tables are carved out of NaN-filled buffers, so such a read would turn the output into NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    batch, capacity, seqlen_q, seqlen_new, d = 2, 64, 6, 2, 32
+    seqlens = [60, 61]  # queries at positions 60..65 and 61..66 with causal: the last 2 and 3 are past the table
+    q = torch.randn(batch, seqlen_q, 4, d, generator=gen).half()
+    k_new, v_new = (torch.randn(batch, seqlen_new, 2, d, generator=gen).half() for _ in range(2))
+    logical_k, logical_v = (torch.randn(batch, capacity, 2, d, generator=gen).half() for _ in range(2))
+    cos, sin = rotary_tables(capacity, d, torch.float16, device="cpu")
+    guarded = []
+    for t in (cos, sin):
+        buf = torch.full((capacity + 16, t.shape[1]), float("nan"), dtype=t.dtype)
+        buf[:capacity] = t
+        guarded.append(buf[:capacity].to(DEVICE))
+    if page_size is None:
+        k_cache, v_cache, block_table = logical_k.clone(), logical_v.clone(), None
+    else:
+        k_cache = logical_k.reshape(batch * capacity // page_size, page_size, 2, d).clone()
+        v_cache = logical_v.reshape(batch * capacity // page_size, page_size, 2, d).clone()
+        block_table = torch.arange(batch * capacity // page_size, dtype=torch.int32).reshape(batch, -1)
+    dev = (lambda t: None if t is None else t.to(DEVICE))
+    out = kvcache.flash_attn_with_kvcache(dev(q), dev(k_cache), dev(v_cache), k=dev(k_new), v=dev(v_new),
+                                          rotary_cos=guarded[0], rotary_sin=guarded[1], causal=causal,
+                                          cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=DEVICE),
+                                          block_table=dev(block_table), rotary_interleaved=False).cpu()
+    assert torch.isfinite(out).all(), "a rotary table row past seqlen_ro was read"
+    for b, s in enumerate(seqlens):
+        keys_k = torch.cat([logical_k[b, :s], rotary_ref(k_new[b], cos, sin, torch.arange(s, s + seqlen_new),
+                                                          False)])[None]
+        keys_v = torch.cat([logical_v[b, :s], v_new[b]])[None]
+        positions = torch.arange(s, s + seqlen_q) if causal else torch.full((seqlen_q,), s)
+        inside = positions < capacity
+        q_ro = q[b].clone()
+        q_ro[inside] = rotary_ref(q[b][inside], cos, sin, positions[inside], False)
+        ref, _ = attention_ref(q_ro[None], keys_k, keys_v, causal=causal)
+        base, _ = attention_ref(q_ro[None], keys_k, keys_v, causal=causal, upcast=False)
+        check_close(f"out[{b}]", out[b:b + 1], ref, base, FACTOR)
+
+
 def test_debug_checks_accept_padding_past_owned_pages(monkeypatch):
     """-1 entries past the pages a sequence owns are fine: they are never read."""
     monkeypatch.setenv("FLASHTILE_CHECK", "1")
@@ -466,90 +534,6 @@ def test_opcheck_custom_ops():
                                                  True), test_utils=tests)
     torch.library.opcheck(decode_ops.decode, (q, k_cache, v_cache, seqlens, None, None, None, None, None, None,
                                               True, 1, 0.2, -1, 0, 0.0, 2), test_utils=tests)
-
-
-# The sm_90 compile check runs in a subprocess without TRITON_INTERPRET: it builds real PTX/cubins with the ptxas
-# shipped in the Triton wheel, which catches what the interpreter accepts and the GPU rejects, and reads shared
-# memory. Pointer and stride arguments get the 16-divisibility that Triton's launcher specialises on for aligned
-# tensors, so the software pipeliner (cp.async multi-buffering, the shared-memory hog) is what production gets.
-_COMPILE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from flashtile.kernels.combine import _combine_kernel
-    from flashtile.kernels.decode import _decode_kernel
-    from flashtile.kernels.kvcache import _append_kv_kernel
-    from flashtile.ops.decode import production_configs
-
-    KERNELS = {"decode": _decode_kernel, "append_kv": _append_kv_kernel, "combine": _combine_kernel}
-    INDEX_PTRS = {"CACHE_SEQLENS", "CACHE_BATCH_IDX", "LEFTPAD", "BLOCK_TABLE"}
-    FP32_PTRS = {"LSE", "ALIBI", "O_PARTIAL", "LSE_PARTIAL"}
-    ALL_ON = dict(PAGED=True, HAS_BATCH_IDX=True, HAS_LEFTPAD=True, HAS_ROTARY=True, ROTARY_INTERLEAVED=False,
-                  MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, UPCAST=False)
-    ALL_OFF = dict({k: False for k in ALL_ON}, DOT_PRECISION="tf32")
-    ALL_ON["DOT_PRECISION"] = "tf32"
-
-    def build(fn, constexprs, options, dtype, out_dtype):
-        signature, attrs = {}, {}
-        for idx, name in enumerate(fn.arg_names):
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name.isupper():
-                signature[name] = ("*i32" if name in INDEX_PTRS else "*fp32" if name in FP32_PTRS
-                                   else "*" + out_dtype if name == "O" else "*" + dtype)
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-            else:
-                # page_mul (ops/common.fast_divisor) is >= 2^31, which Triton passes as int64.
-                signature[name] = ("fp32" if name in ("qk_scale", "softcap2") else "i64" if name == "page_mul"
-                                   else "i32")
-                if name.startswith("stride_") and name not in ("stride_lm", "stride_ab"):
-                    attrs[(idx,)] = [["tt.divisibility", 16]]
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(options))
-
-    head_dim = int(sys.argv[1])
-    results = []
-    for kernel, tile, options in production_configs():
-        if tile["BLOCK_D"] != head_dim:
-            continue
-        variants = []
-        if kernel == "decode":
-            largest = max(t["BLOCK_M"] for k, t, _ in production_configs()
-                          if k == "decode" and t["BLOCK_D"] == head_dim)
-            # Every flag on is a superset of the code; every flag off is the hot contiguous path, with fp32
-            # partial outputs. The largest tile in fp32 is the most shared memory (twice the bytes per K/V
-            # buffer); paged adds only its block-table buffers (< 1 KB), and an fp32 build takes ~20 s.
-            variants.append(("bf16", "bf16", dict(ALL_ON, **tile)))
-            if tile["BLOCK_M"] == largest and not tile["PAGED"]:
-                variants.append(("bf16", "fp32", dict(ALL_OFF, **tile)))
-                variants.append(("fp32", "fp32", dict(ALL_OFF, DOT_PRECISION="ieee", **tile)))
-            extra = dict(HEAD_DIM=head_dim, BLOCK_T=4, GROUP=4)
-        elif kernel == "append_kv":
-            variants = [(dt, dt, dict(tile, PAGED=True, HAS_BATCH_IDX=False, HAS_ROTARY=True,
-                                      ROTARY_INTERLEAVED=True)) for dt in ("bf16", "fp32")]
-            extra = dict(HEAD_DIM=head_dim)
-        else:
-            variants = [("fp32", dt, tile) for dt in ("bf16", "fp32")]
-            extra = dict(HEAD_DIM=head_dim)
-        for dtype, out_dtype, constexprs in variants:
-            compiled = build(KERNELS[kernel], dict(constexprs, **extra), options, dtype, out_dtype)
-            results.append(dict(kernel=kernel, dtype=dtype, out_dtype=out_dtype, tile=tile,
-                                shared=compiled.metadata.shared))
-    print(json.dumps(results))
-""")
-
-
-@pytest.mark.parametrize("head_dim", sorted(decode_ops.DECODE_TABLE))
-def test_production_configs_compile_for_sm90(head_dim):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(head_dim)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in results} == {"decode", "append_kv", "combine"}
-    for r in results:
-        assert r["shared"] <= 232448, f"{r} exceeds the H200's 232448 bytes of shared memory per block"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -643,10 +627,17 @@ def test_gpu_cuda_graph_capture(monkeypatch):
     torch.testing.assert_close(out, step(), atol=0, rtol=0)
 
 
-def test_out_of_range_cache_seqlens_never_touch_foreign_memory(device):
-    """Without FLASHTILE_CHECK a bad cache_seqlens is not caught on the host (that would sync the device); the
-    kernels clamp reads to the capacity and drop appended rows past it, so memory outside the caches stays intact
-    (NaN guard bands around them would otherwise change, and a GPU would fault)."""
+def _unchecked(monkeypatch):
+    """The path of a call whose index values are not checked: a contiguous cache on the GPU, any call under
+    torch.compile or CUDA-graph capture (Note [cache index checks] in flashtile/kvcache.py)."""
+    monkeypatch.setattr(kvcache, "_value_checks", lambda *args: False)
+
+
+def test_out_of_range_cache_seqlens_never_touch_foreign_memory(device, monkeypatch):
+    """Where a bad cache_seqlens is not caught on the host (that would sync the device), the kernels clamp reads
+    to the capacity and drop appended rows past it, so memory outside the caches stays intact (NaN guard bands
+    around them would otherwise change, and a GPU would fault)."""
+    _unchecked(monkeypatch)
     g = torch.Generator().manual_seed(5)
     buf_k = torch.full((3, 2, 40, 2, 32), float("nan"), dtype=torch.float16, device=device)
     buf_v = buf_k.clone()
@@ -664,10 +655,11 @@ def test_out_of_range_cache_seqlens_never_touch_foreign_memory(device):
         assert torch.equal(buf.nan_to_num(7.0), old.nan_to_num(7.0)), "a row outside a sequence's cache was written"
 
 
-def test_out_of_range_block_table_stays_inside_the_cache(device):
-    """Without FLASHTILE_CHECK block-table entries are not validated on the host; the kernels clamp page indices
-    into the cache, so a bad entry can only read a wrong page of this cache (NaN guard pages around the cache stay
-    unread and unwritten)."""
+def test_out_of_range_block_table_stays_inside_the_cache(device, monkeypatch):
+    """Where block-table entries are not validated on the host (under torch.compile or CUDA-graph capture), the
+    kernels clamp page indices into the cache, so a bad entry can only read a wrong page of this cache (NaN guard
+    pages around the cache stay unread and unwritten)."""
+    _unchecked(monkeypatch)
     g = torch.Generator().manual_seed(6)
     buf_k = torch.full((3, 4, 16, 2, 32), float("nan"), dtype=torch.float16, device=device)
     buf_v = buf_k.clone()

@@ -4,28 +4,31 @@ A kernel change is judged against the tree it replaces on the same GPU in the sa
 own process (its own compiled kernels and launch cache), in alternating order, because run-to-run spread on the
 H200 (2-3%) is the size of the effects being measured. Which tree is imported is PYTHONPATH's business.
 
-Prints one JSON line per case: d128 bf16 H=16, B·S = 16k at S = 1k / 4k / 16k and the varlen preset's mix
-(bench/cases.VARLEN_MIX), causal and not; with --only uniform, varlen batches of 16 x 1k and 4 x 4k tokens beside
-the dense batches of the same shapes (the same tiles: what the varlen machinery alone costs); forward, or
-forward+backward with --fwdbwd. Each line carries the kernel paths that ran and a checksum of the output (of dq, dk
-and dv with --fwdbwd), which two trees that compute the same thing must agree on to within rounding.
+Prints one JSON line per case: bf16, hidden 2048 (d128: H=16; --head-dim 64: H=32), B·S = 16k at S = 1k / 4k /
+16k and the varlen preset's mix (bench/cases.VARLEN_MIX), causal and not; with --only uniform, varlen batches of
+16 x 1k and 4 x 4k tokens beside the dense batches of the same shapes (the same tiles: what the varlen machinery
+alone costs); with --only decode, one-token decode steps over 8 x 32k caches (GQA 32/8, d128), contiguous and in
+16-token pages (TB/s of K/V read); forward, or forward+backward with --fwdbwd. Each line carries the kernel paths
+that ran and a checksum of the output (of dq, dk and dv with --fwdbwd), which two trees that compute the same thing
+must agree on to within rounding.
 
-Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform]
-             [--window LEFT,RIGHT]
+Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform,decode]
+             [--window LEFT,RIGHT] [--head-dim 64]
 """
 
 import argparse
 import json
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import flashtile
 
 # The varlen preset's mix (bench/cases.py), repeated here so that an older tree without it can be timed too.
 MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1111, 333, 400, 547)
 MIXES = {"mix": MIX, "uni1k": (1024,) * 16, "uni4k": (4096,) * 4}
-HEADS, HEAD_DIM = 16, 128
+HIDDEN = 2048
+HEAD_DIM = 128
 
 
 def cases(only: str):
@@ -33,13 +36,32 @@ def cases(only: str):
     varlen = [("mix", 0, causal) for causal in (False, True)]
     uniform = [(b, s, causal) for pair in ((16, 1024), ("uni1k", 0), (4, 4096), ("uni4k", 0)) for b, s in [pair]
                for causal in (False, True)]
-    groups = {"dense": dense, "varlen": varlen, "uniform": uniform}
+    decode = [("decode", 0, False), ("decode_paged", 0, False)]
+    groups = {"dense": dense, "varlen": varlen, "uniform": uniform, "decode": decode}
     return [c for name in only.split(",") for c in groups[name]] if only else dense + varlen
+
+
+def decode_problem(paged: bool, gen):
+    """(call, leaves, bytes of K/V read): one query token of 8 sequences over their 32k-token caches."""
+    batch, cap, heads, heads_kv, d = 8, 32768, 32, 8, 128
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache = (torch.randn(batch * cap // 16 if paged else batch, 16 if paged else cap, heads_kv, d,
+                                    device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    table = (torch.randperm(batch * cap // 16, device="cuda", generator=gen).int().reshape(batch, -1) if paged
+             else None)
+    seqlens = torch.full((batch,), cap, dtype=torch.int32, device="cuda")
+
+    def call(q, k_cache, v_cache):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    return call, (q, k_cache, v_cache), 2 * batch * cap * heads_kv * d * 2
 
 
 def problem(b, s, causal: bool, gen, window=(-1, -1)):
     """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time. Under a sliding
     window the flops are still the full (or causal) mask's: nominal, for comparing two trees only."""
+    if b in ("decode", "decode_paged"):
+        return decode_problem(b == "decode_paged", gen)
+    HEADS = HIDDEN // HEAD_DIM
     varlen = b in MIXES
     if varlen:
         lens = MIXES[b]
@@ -66,11 +88,15 @@ def main() -> None:
     parser.add_argument("--fwdbwd", action="store_true", help="time forward + backward (FLOPs: 3.5x forward)")
     parser.add_argument("--only", default=None, help="comma-separated groups: dense, varlen, uniform")
     parser.add_argument("--window", default="-1,-1", help="window_size as LEFT,RIGHT (nominal FLOPs)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (heads: 2048 / head dim)")
     args = parser.parse_args()
+    global HEAD_DIM
+    HEAD_DIM = args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, s, causal in cases(args.only):
         call, leaves, flops = problem(b, s, causal, gen, tuple(int(x) for x in args.window.split(",")))
-        if args.fwdbwd:
+        decode = b in ("decode", "decode_paged")
+        if args.fwdbwd and not decode:
             leaves = [t.requires_grad_() for t in leaves]
             dout = torch.randn(leaves[0].shape, device="cuda", dtype=leaves[0].dtype, generator=gen)
 
@@ -82,10 +108,16 @@ def main() -> None:
             def fn():
                 return call(*leaves)
             checked = fn()
-        ms = do_bench(fn, warmup=50, rep=400, return_mode="median")
-        print(json.dumps(dict(label=args.label, case=f"{b} s{s}", causal=causal, fwdbwd=args.fwdbwd, ms=ms,
-                              tflops=flops / ms / 1e9, paths=flashtile.last_kernel_paths(),
-                              checksum=checked.float().abs().sum().item())), flush=True)
+        if decode:  # as serving stacks run it, and as `flashtile bench` times it: replays of a CUDA graph
+            torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream that does not wait for this one
+            ms = do_bench_cudagraph(fn, rep=400, return_mode="median")
+        else:
+            ms = do_bench(fn, warmup=50, rep=400, return_mode="median")
+        # decode: "tflops" is K/V bytes / time in TB/s
+        print(json.dumps(dict(label=args.label, case=f"{b} s{s} d{HEAD_DIM}", causal=causal,
+                              fwdbwd=args.fwdbwd and not decode, ms=ms, tflops=flops / ms / 1e9,
+                              paths=flashtile.last_kernel_paths(), checksum=checked.float().abs().sum().item())),
+              flush=True)
 
 
 if __name__ == "__main__":
