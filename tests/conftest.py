@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With FLASHTILE_TEST_FAILURES=PATH, append each failure to PATH as it happens: a GPU session's run cut short
+    by its time limit still tells which tests failed and why (pytest prints its summary only at the end)."""
+    path = os.environ.get("FLASHTILE_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")

@@ -61,7 +61,7 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def dense(d, dtype, b=2, sq=100, sk=100, h=4, hk=2, backward=True, **kw):
+def dense(d, dtype, b=2, sq=128, sk=128, h=4, hk=2, backward=True, **kw):
     """flash_attn_func forward (+ backward) of (b, sq, h, d) queries over (b, sk, hk, d) keys."""
     q = _rand(b, sq, h, d, dtype=dtype, grad=backward)
     k, v = (_rand(b, sk, hk, d, dtype=dtype, grad=backward) for _ in range(2))
@@ -121,10 +121,12 @@ def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, split
 
 
 def scenarios():
-    """(name, thunk) pairs; each thunk calls the API and so launches kernels. Feature sets as the old matrix had
+    """(name, thunk) or (name, thunk, build) tuples; each thunk calls the API and so launches kernels, and
+    build=False derives its specialisations without compiling them. Feature sets as the old matrix had
     them (no mask; causal; everything on: varlen, seqused, both window sides, softcap, ALiBi; paged), MHA and GQA
-    both, so that GROUP 1 and 2 are built; the scenarios of lengths 1 reuse the causal ones' heads, so that
-    where no integer is specialised they derive the compiles already built."""
+    both, so that GROUP 1 and 2 are built. Dense lengths are multiples of 16, which Triton marks as such (the common
+    case: 1k, 4k), and varlen totals are not (the common case there), nor are the lengths of 1, 239 or 339 of the
+    scenarios after them: both variants of each integer are built (Note [runtime integers])."""
     out = []
     every = dict(causal=True, window_size=(24, -1), softcap=8.0)
     for d in sorted(TABLE["fwd"]):
@@ -137,20 +139,21 @@ def scenarios():
                 (f"{name} everything", lambda d=d: dense(d, BF16, alibi_slopes=torch.rand(4), **every)),
                 (f"{name} paged", lambda d=d: varlen(d, BF16, backward=False, paged=16, causal=True)),
                 (f"{name} fp32 dense", lambda d=d: dense(d, FP32, h=4, hk=4)),
-                (f"{name} fp32 paged", lambda d=d: varlen(d, FP32, backward=False, paged=16, causal=True)),
-                # Lengths, batches and windows of 1 (Note [runtime integers]), and the shapes that crashed ptxas
-                # when Triton specialised them: dense causal 239 x 1; one query over 339 keys, causal and local;
-                # a length-1 sequence; one query per sequence, varlen; pages of one row.
-                (f"{name} ones: 239x1 causal", lambda d=d: dense(d, BF16, sq=239, sk=1, causal=True)),
-                (f"{name} ones: 1x339 causal", lambda d=d: dense(d, BF16, sq=1, sk=339, causal=True)),
+                (f"{name} fp32 paged", lambda d=d: varlen(d, FP32, backward=False, paged=16, causal=True))]
+        # Lengths, batches and windows of 1 (Note [runtime integers]), and the shapes that crashed ptxas when Triton
+        # specialised them: dense causal 239 x 1; one query over 339 keys, causal and local; a length-1 sequence;
+        # one query per sequence, varlen; pages of one row. Their lengths are not multiples of 16: the variants
+        # that builds are compiled at d64 (Triton) and d128 (Gluon); at the other head dims the scenarios only
+        # derive their specialisations, which must turn no length into a constant.
+        ones = [(f"{name} ones: 239x1 causal", lambda d=d: dense(d, BF16, sq=239, sk=1, causal=True)),
                 (f"{name} ones: 1x339 local", lambda d=d: dense(d, BF16, sq=1, sk=339, window_size=(1, 1))),
                 (f"{name} ones: b1 1x1", lambda d=d: dense(d, BF16, b=1, sq=1, sk=1, causal=True)),
-                (f"{name} ones: varlen 1", lambda d=d: varlen(d, BF16, lens_q=(1,), h=2, hk=2, causal=True)),
                 (f"{name} ones: varlen 8 x 1 over 219-239", lambda d=d: varlen(
                     d, BF16, lens_q=(1,) * 8, lens_k=(219, 222, 225, 228, 231, 234, 237, 239), h=2, hk=2,
                     causal=True)),
                 (f"{name} ones: pages of 1", lambda d=d: varlen(
                     d, BF16, lens_q=(1, 5), backward=False, paged=1, causal=True))]
+        out += [(n, thunk, d in (64, 128)) for n, thunk in ones]
     # fp32 with every feature where its true-fp32 dots compile in seconds (d <= 64; at d128 and d256 each kernel
     # takes ptxas 20-60 s, and the features change none of the dot code that costs it).
     out += [(f"d{d} fp32 varlen everything", lambda d=d: varlen(d, FP32, seqused=True, alibi_slopes=torch.rand(3, 4),
@@ -175,7 +178,7 @@ def scenarios():
             while True:
                 block_m = packed_tile(4, sq, cfg)[0]
                 out.append((f"decode d{d} page {page} rows {block_m}", lambda d=d, p=page, s=sq: kvcache(
-                    d, BF16, sq=s, page=p, append=s)))
+                    d, BF16, sq=s, page=p, append=1)))
                 if block_m >= cfg.block_m:
                     break
                 sq *= 8 if sq == 1 else 2
@@ -227,17 +230,19 @@ GROUPS = (["plan", "hopper"] + [f"prefill-{d}" for d in sorted(TABLE["fwd"])]
 
 
 def collect() -> dict[str, tuple]:
-    """Every distinct compile the scenarios launch: key -> (spec, scenarios that launch it)."""
+    """Every distinct compile the scenarios launch: key -> (spec, scenarios that launch it, whether each wants it
+    built)."""
     specs: dict[str, tuple] = {}
     torch.manual_seed(0)
-    for name, thunk in scenarios():
+    for name, thunk, *build in scenarios():
         with capture_launches() as launches:
             thunk()
         assert launches, f"scenario {name!r} launched nothing"
         for launch in launches:
             spec = specialise(launch)
-            entry = specs.setdefault(_key(spec), (spec, []))
+            entry = specs.setdefault(_key(spec), (spec, [], []))
             entry[1].append(name)
+            entry[2].append(build[0] if build else True)
     return specs
 
 
@@ -252,41 +257,52 @@ def _ptxas(log: str) -> dict:
             "wgmma_serialized": serialized}
 
 
-def build(spec) -> dict:
+def build_compiled(spec, log=None):
+    """The compiled kernel of a spec (ptxas's -v log into `log`, a StringIO, if given)."""
     fn, signature, constexprs, attrs, options = spec
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
     src = source(fn, signature, constexprs, attrs)
+    knobs.nvidia.dump_ptxas_log = log is not None
+    with contextlib.redirect_stdout(log if log is not None else io.StringIO()):
+        return triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def build(spec) -> dict:
+    fn, signature, constexprs, attrs, options = spec
     log = io.StringIO()
-    knobs.nvidia.dump_ptxas_log = True
     start = time.perf_counter()
-    with contextlib.redirect_stdout(log):
-        compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+    compiled = build_compiled(spec, log)
     seconds = time.perf_counter() - start
     ptx = compiled.asm["ptx"]
     row = {"kernel": fn.__name__, "shared": compiled.metadata.shared, "wgmma": "wgmma" in ptx,
            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
            "num_warps": options.num_warps, "num_stages": options.num_stages, "seconds": round(seconds, 1)}
+    return row | describe(spec) | _ptxas(log.getvalue())
+
+
+def describe(spec) -> dict:
+    """A spec's constexprs, and the integer arguments Triton turned into constants (a value of 1: Note [runtime
+    integers])."""
+    fn, _, constexprs, _, _ = spec
     by_name = {fn.arg_names[path[0]]: v for path, v in constexprs.items()}
-    row |= {name: v for name, v in by_name.items() if name.isupper() and v is not None}
-    # Integer arguments Triton turned into constants (a value of 1): Note [runtime integers].
+    row = {name: v for name, v in by_name.items() if name.isupper() and v is not None}
     row["ints_as_constants"] = sorted(name for name, v in by_name.items() if not name.isupper()
                                       and isinstance(v, int) and not isinstance(v, bool))
-    return row | _ptxas(log.getvalue())
+    return row
 
 
 def main(argv):
     specs = collect()
     chosen = argv[argv.index("--group") + 1] if "--group" in argv else None
-    for key, (spec, names) in specs.items():
+    for key, (spec, names, wanted) in specs.items():
         g = group(spec)
         assert g in GROUPS, f"{spec[0].__name__} falls in no compile group ({g})"
         if chosen is not None and g != chosen:
             continue
-        if "--list" in argv:
-            print(json.dumps({"group": g, "kernel": spec[0].__name__, "scenarios": names}), flush=True)
-            continue
-        row = build(spec)
-        row |= {"group": g, "scenarios": names[:3] + ([f"... {len(names) - 3} more"] if len(names) > 3 else [])}
+        built = any(wanted) and "--list" not in argv
+        row = build(spec) if built else {"kernel": spec[0].__name__, **describe(spec)}
+        row |= {"group": g, "built": built,
+                "scenarios": names[:3] + ([f"... {len(names) - 3} more"] if len(names) > 3 else [])}
         print(json.dumps(row, default=str), flush=True)
 
 

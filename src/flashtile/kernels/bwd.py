@@ -106,7 +106,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
 
 # Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
 # cache] in ops/launch.py), then constexprs.
-@triton.jit(do_not_specialize=("stride_lb", "stride_lh", "stride_ab", "seqlen_q", "seqlen_k", "batch", "wl", "wr"))
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     qk_scale, softcap2, softmax_scale,
@@ -116,8 +116,8 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, batch, wl, wr,
+    stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32,
+    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -215,7 +215,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
 
 # Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
 # cache] in ops/launch.py), then constexprs.
-@triton.jit(do_not_specialize=("stride_lb", "stride_lh", "stride_ab", "seqlen_q", "seqlen_k", "batch", "wl", "wr"))
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, O, DQ, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
     qk_scale, softcap2, softmax_scale,
@@ -225,8 +225,8 @@ def _bwd_dq_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_ob, stride_om, stride_oh,
     stride_dqb, stride_dqm, stride_dqh,
-    stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, batch, wl, wr,
+    stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32,
+    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,

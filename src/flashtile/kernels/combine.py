@@ -42,8 +42,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     return o, tl.where(empty, float("-inf"), m + tl.math.log2(w_safe))
 
 
-@triton.jit(do_not_specialize=("stride_qs", "stride_qb", "stride_qh", "stride_qm", "stride_lb", "stride_lh",
-                                 "stride_lm", "num_splits", "seqlen_q", "nheads", "n_rows"))
+@triton.jit
 def _combine_kernel(
     O_PARTIAL, LSE_PARTIAL, O, LSE,
     stride_ps, stride_pb, stride_pm, stride_ph,

@@ -100,11 +100,7 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=("stride_os", "stride_ls", "stride_lb", "stride_lh", "stride_lm", "stride_btb",
-                                 "stride_ab", "stride_cos", "seqlen_q", "seqlen_new", "page_size", "page_mul",
-                                 "page_shift", "num_pages", "capacity", "rotary_dim", "seqlen_ro", "num_splits",
-                                 "num_m_tiles",
-                                 "wl", "wr"))
+@triton.jit
 def _decode_kernel(
     Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
     stride_qb, stride_qm, stride_qh,

@@ -113,8 +113,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
 
 # Parameters: the per-call ones (pointers, float scalars) first, then those a launch key fixes (Note [launch
 # cache] in ops/launch.py), then constexprs.
-@triton.jit(do_not_specialize=("stride_lb", "stride_lh", "stride_ab", "stride_btb", "seqlen_q", "seqlen_k",
-                                 "batch", "page_size", "page_mul", "page_shift", "num_pages", "wl", "wr"))
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE,
     qk_scale, softcap2,
@@ -122,8 +121,9 @@ def _attn_fwd_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh, stride_ab, stride_btb,
-    seqlen_q, seqlen_k, batch, page_size, page_mul, page_shift, num_pages, wl, wr,
+    stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32, stride_btb: tl.int32,
+    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, page_size: tl.int32, page_mul: tl.int64,
+    page_shift: tl.int32, num_pages: tl.int32, wl: tl.int32, wr: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,

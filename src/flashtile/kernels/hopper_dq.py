@@ -270,10 +270,12 @@ def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_
 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
-@gluon.jit(do_not_specialize=("stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "wl", "wr", "n_items", "heads"))
+@gluon.jit
 def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
-                      qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, seqlen_q,
-                      seqlen_k, wl, wr, stride_dqm, stride_dqh, n_items, heads,
+                      qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, stride_ob, stride_om,
+                      stride_oh, seqlen_q: gl.int32,
+                      seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32, stride_dqm, stride_dqh,
+                      n_items: gl.int32, heads: gl.int32,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,

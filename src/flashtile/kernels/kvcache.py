@@ -79,8 +79,7 @@ def rotary_load(ptrs, d, mask, pos, COS, SIN, stride_cos, rotary_dim, seqlen_ro,
     return x * cos + tl.where(first, -x_partner, x_partner) * sin
 
 
-@triton.jit(do_not_specialize=("stride_btb", "stride_cos", "seqlen_new", "page_size", "page_mul", "page_shift",
-                                 "num_pages", "capacity", "rotary_dim", "seqlen_ro"))
+@triton.jit
 def _append_kv_kernel(
     K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE, COS, SIN,
     stride_knb, stride_knm, stride_knh,

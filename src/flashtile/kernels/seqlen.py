@@ -192,9 +192,10 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
     return b, tile, h, heads
 
 
-@triton.jit(do_not_specialize=("batch", "bound_tiled", "bound_cost", "entries"))
+@triton.jit
 def _plan_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, LAST_FIRST_LIST, FIRST_FIRST_LIST,
-                 COUNTERS, batch, bound_tiled, bound_cost, entries, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+                 COUNTERS, batch: tl.int32, bound_tiled: tl.int32, bound_cost: tl.int32, entries: tl.int32,
+                 BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                  HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr, COST_PACKED: tl.constexpr):
     """A varlen call's plan (ops/common.varlen_plan), in one launch: SCHEDULE, (2, batch), the sequences in launch
     order and their tiled lengths (Notes [varlen tile list] and [longest sequences first]); with BLOCK > 0 the
