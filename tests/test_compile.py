@@ -1,7 +1,8 @@
 """Every kernel that flashtile's scenarios launch compiles for sm_90 on this (GPU-less) machine, with the
 specialisations Triton's launcher would derive from the real arguments (tests/sm90_compile.py), and fits an
 H100/H200 block: shared memory within 227 KiB, wgmma and TMA where they belong, the Gluon kernels' register split,
-no wgmma that ptxas serialises, no integer length specialised into a constant (Note [runtime integers]). The
+no wgmma that ptxas serialises, no length of a prefill kernel specialised into a constant (Note [runtime
+integers]). The
 interpreter cannot see GPU compile errors (a ptxas crash included), so this is their only guard in CI. Each group
 builds in its own subprocess (sm90_compile.py must not see TRITON_INTERPRET), so pytest-xdist spreads them.
 """
@@ -18,6 +19,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
 # sm90_compile.GROUPS, which must not be imported here (it imports the kernels without the interpreter).
 GROUPS = ["plan", "hopper"] + [f"prefill-{d}" for d in (16, 32, 64, 128, 256)] + [
     f"decode-{d}" for d in (16, 32, 64, 128, 256)]
+# The decode kernels keep Triton's own integer specialisation (Note [runtime integers]).
+SPECIALISED = {"_decode_kernel", "_append_kv_kernel", "_combine_kernel"}
 WGMMA_KERNELS = {"_attn_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_hopper_fwd_kernel", "_hopper_dq_kernel",
                  "_hopper_dkdv_kernel"}
 
@@ -39,10 +42,13 @@ def test_groups_cover_every_compile():
 @pytest.mark.parametrize("group", GROUPS)
 def test_production_kernels_compile_for_sm90(group):
     rows = _run("--group", group)
-    assert rows, f"no compile in group {group}"
+    assert any(r["built"] for r in rows), f"no compile in group {group}"
     for r in rows:
+        if r["kernel"] not in SPECIALISED:
+            assert not r["ints_as_constants"], f"{r}: integer arguments specialised into constants"
+        if not r["built"]:
+            continue
         assert r["shared"] <= SHARED_LIMIT, r
-        assert not r["ints_as_constants"], f"{r}: integer arguments specialised into constants"
         if r["kernel"] in WGMMA_KERNELS:
             # fp32 inputs run true fp32 dots (DOT_PRECISION "ieee"), which are not tensor-core matmuls.
             assert (r["wgmma"] or r.get("DOT_PRECISION") == "ieee") and r["tma"], f"{r}: expected wgmma and TMA"
