@@ -28,6 +28,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # The sm_90 compile groups (test_compile.py) take minutes each: they go first, so that pytest-xdist's workers
+    # run the short interpreter tests beside the last of them instead of one group alone at the end.
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_compile.py"))
 
 
 def pytest_runtest_logreport(report):
