@@ -25,7 +25,7 @@ from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, kernel_strides, next_power_of_2, on_gpu
+from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2, on_gpu
 from .common import sm_count as gpu_sm_count
 from .launch import launch_direct, launch_opts
 from .fwd import logit_scales
@@ -142,7 +142,7 @@ def _rotary_args(rotary_cos):
     """(stride_cos, rotary_dim, seqlen_ro) of the rotary tables, zeros without them."""
     if rotary_cos is None:
         return 0, 0, 0
-    return kernel_strides(rotary_cos)[0], 2 * rotary_cos.shape[1], rotary_cos.shape[0]
+    return rotary_cos.stride(0), 2 * rotary_cos.shape[1], rotary_cos.shape[0]
 
 
 @custom_op("flashtile::append_kv", mutates_args=("k_cache", "v_cache"))
@@ -161,8 +161,7 @@ def append_kv(
     launch_direct(
         _append_kv_kernel, grid,
         k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-        *kernel_strides(k)[:3], *kernel_strides(v)[:3],
-        *kernel_strides(k_cache)[:3], *kernel_strides(v_cache)[:3],
+        *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0) if block_table is not None else 0, stride_cos,
         seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
         seqlen_ro, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
@@ -190,8 +189,7 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
     launch_direct(
         _combine_kernel, (cdiv(n_rows, block_r),),
         out_partials, lse_partials, out, lse,
-        *kernel_strides(out_partials)[:4], *kernel_strides(lse_partials)[:4], *kernel_strides(out)[:3],
-        *kernel_strides(lse),
+        *out_partials.stride()[:4], *lse_partials.stride()[:4], *out.stride()[:3], *lse.stride(),
         num_splits, seqlen_q, nheads, n_rows,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=block_r, **COMBINE_OPTS,
     )
@@ -253,8 +251,8 @@ def decode(
         _decode_kernel, grid,
         q, k_cache, v_cache, o_part, lse_part, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         alibi_slopes, rotary_cos, rotary_sin,
-        *kernel_strides(q)[:3], *kernel_strides(k_cache)[:3], *kernel_strides(v_cache)[:3],
-        stride_os, *kernel_strides(o_part)[-4:-1], stride_ls, *kernel_strides(lse_part)[-3:],
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        stride_os, *o_part.stride()[-4:-1], stride_ls, *lse_part.stride()[-3:],
         block_table.stride(0) if block_table is not None else 0, alibi_batch_stride(alibi_slopes), stride_cos,
         seqlen_q, seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
         seqlen_ro, num_splits,
