@@ -135,6 +135,19 @@ def test_tiny_cpu_run_writes_json_csv_and_png(tmp_path, capsys):
     with open(merged) as f:
         assert len(list(csv.DictReader(f))) == 4
 
+    # --results appends to the long-format table: one line per (case, backend, metric) of each row that ran.
+    results = tmp_path / "results.csv"
+    for _ in range(2):
+        assert cli.main(["bench", "--load", str(paths["json"]), "--results", str(results)]) == 0
+    with open(results) as f:
+        lines = list(csv.DictReader(f))
+    ran = [r for r in record["rows"] if r["status"] == "ok"]
+    per_run = sum(1 for r in ran for m in ("ms", "p20", "p80", "tflops", "tbps") if r[m] is not None)
+    assert len(lines) == 2 * per_run and per_run > 0
+    first = lines[0]
+    assert first["git_sha"] == env["git_sha"] and first["metric"] == "ms" and float(first["value"]) > 0
+    assert {r["backend"] for r in lines} == {r["backend"] for r in ran}
+
 
 def test_tiny_cpu_varlen_preset_writes_json_and_png(tmp_path):
     pytest.importorskip("matplotlib")

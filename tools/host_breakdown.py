@@ -7,8 +7,8 @@ median of five bursts. Kernel part (--cells): each cell's time as a CUDA graph r
 `triton.testing.do_bench` times it (events, L2 cleared before each repetition, as `flashtile bench` does) for
 flashtile and Flex; where the event time is above the graph time, the host is what is being timed. (A captured
 forward+backward also accumulates into the inputs' .grad on every replay, three extra adds that the event timing,
-which clears the gradients, does not have: compare the forward rows, or backends within a row.) PERF.md, session
-5, has what it printed on the H200 and why it matters (Note [launch cache] in ops/launch.py).
+which clears the gradients, does not have: compare the forward rows, or backends within a row.) docs/perf.md
+quotes what it printed on the H200, and docs/design/launch-path.md why it matters.
 
 Usage (GPU): PYTHONPATH=src python3 tools/host_breakdown.py [--cells] [--json PATH]
 """

@@ -3,7 +3,7 @@
 For a kernel-bound comparison where the ratio alone does not say which kernel is behind: prints, per backend, the
 device time of every kernel a `.backward()` of one attention call launches, averaged over the repetitions, and the
 total. The standard sweep's shapes: B·S = 16k tokens, d128 with 16 heads (or d64 with 32), bf16, random inputs.
-PERF.md, session 6, has what it printed on the H200 (S6-1).
+docs/perf.md quotes what it printed on the H200.
 
 Usage (GPU): PYTHONPATH=src python3 tools/kernel_times.py [--seqlens 1024,4096] [--head-dim 128] [--causal]
 """

@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "interleaved timing rounds (bench/run.py)")
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--csv", metavar="PATH")
+    bench.add_argument("--results", metavar="PATH", help="append the rows, one line per metric, to a long-format "
+                       "results table (bench-results/results.csv)")
     bench.add_argument("--plot", metavar="PATH", help="PNG of grouped bars (needs matplotlib)")
     bench.add_argument("--load", nargs="+", metavar="JSON",
                        help="report saved --json results (several runs merge) instead of running anything")
@@ -183,6 +185,8 @@ def _bench(parser, args, device, interpreted: bool) -> int:
         report.write_json(args.json, env, rows)
     if args.csv:
         report.write_csv(args.csv, env, rows)
+    if args.results:
+        report.append_results(args.results, env, rows)
     if args.plot:
         plot.plot(args.plot, env, rows)
     # A failing flashtile row fails the command (useful in CI); other backends' failures are only reported.

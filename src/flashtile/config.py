@@ -28,11 +28,11 @@ class TileConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
 
 
-_H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k (PERF.md)"
+_H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k"
 _H200_S4 = ("measured on H200, 2026-11-29, triton 3.6: fwd+bwd A/B against (64, 64, 4, 2) at S=1k/4k/16k, "
-            "causal and not: +1.5-3.2%, S=1k causal even (PERF.md, S4-2)")
-_FWD_D64_S4 = ("measured on H200, 2026-11-29, triton 3.6: A/B/A/B against session 1's (64, 64, 4, 2), which the "
-               "forward's host descriptors overtook: +2.5-19% at S=1k/4k/16k, causal and not (PERF.md, S4-7)")
+            "causal and not: +1.5-3.2%, S=1k causal even")
+_FWD_D64_S4 = ("measured on H200, 2026-11-29, triton 3.6: A/B/A/B against the first tile, (64, 64, 4, 2), which the "
+               "forward's host descriptors overtook: +2.5-19% at S=1k/4k/16k, causal and not")
 _SMALL_D = "d64's measured config, reused for small head dims (not measured separately)"
 _DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bundled with Triton 3.6 crashes "
                "(SIGSEGV) on the causal d32 dQ kernel (H200 GPU tier, 2026-11-29; tests/sm90_compile.py)")
@@ -63,7 +63,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
 }
 
 _FP32 = ("fp32 inputs (true fp32 dots, problem.kernel_flags): the fp16 row's tiles need more than an H100/H200 "
-         "block's 227 KiB of shared memory (session 10, found by the GPU tier: the d128 dQ kernel asked for 321 KiB); "
+         "block's 227 KiB of shared memory (found by the GPU tier: the d128 dQ kernel asked for 321 KiB); "
          "a smaller tile that fits (<= 197 KiB by tests/sm90_compile.py), not timed")
 # kernel -> padded head dim -> config for fp32 inputs where the table's does not fit (tests/sm90_compile.py builds
 # every table entry at fp32 too).
@@ -111,14 +111,15 @@ class HopperConfig:
 
 
 _HOPPER_FWD = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 x in-warpgroup overlap on/off at S=1k/4k/16k, "
-               "causal and not; 3 stages with overlap fastest in all six (PERF.md, S7-0)")
+               "causal and not; 3 stages with overlap fastest in all six")
 _HOPPER_DQ = ("the v8 Gluon dQ's tile (BLOCK_N = BLOCK_M: the consumers' ranges differ by whole key blocks), "
-              "3 stages as dK/dV; measured on H200, 2026-11-30, triton 3.6, against the Triton dQ (PERF.md, v18)")
+              "3 stages as dK/dV; measured on H200, 2026-11-30, triton 3.6, against the Triton dQ")
 _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k/16k; 3 faster at 1k and 16k, "
-                "even at 4k, 1.5% slower at 1k causal (PERF.md, S7-0)")
+                "even at 4k, 1.5% slower at 1k causal")
 
 # Gluon Hopper kernels, sm_90 only: kernel -> head dim (exact: others run the Triton kernels) -> config. d128 only:
-# at d64 the same structure ran the standard sweep's S=1k forward slower than the Triton kernel (PERF.md, S7-1).
+# at d64 the same structure ran the standard sweep's S=1k forward slower than the Triton kernel
+# (docs/design/hopper-pipeline.md).
 HOPPER: dict[str, dict[int, HopperConfig]] = {
     "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD)},
     "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV)},

@@ -68,7 +68,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         alibi_slopes: (nheads,) or (batch_size, nheads), float32. Adds -slope * |i + seqlen_k - seqlen_q - j| to
             the score of query i and key j.
         deterministic: accepted for compatibility. flashtile's backward is always bitwise reproducible: it sums
-            no gradient with atomics (atomic-dQ schedules measured 1.5-3x slower on H200; see PERF.md).
+            no gradient with atomics (atomic-dQ schedules measured 1.5-3x slower on H200; docs/design/backward.md).
         return_attn_probs: if True, also return softmax_lse and an empty S_dmask (testing only).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).

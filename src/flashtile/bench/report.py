@@ -123,6 +123,28 @@ def read_json(paths: list[str]) -> tuple[dict, list[dict]]:
     return records[0]["environment"], [r for record in records for r in record["rows"]]
 
 
+RESULT_COLUMNS = ("gpu", "torch", "triton", "cudnn", "flashtile", "git_sha", "date", "case", "mode", "causal",
+                  "backend", "kernels", "metric", "value")
+RESULT_METRICS = ("ms", "p20", "p80", "tflops", "tbps")
+
+
+def append_results(path: str, env: dict, rows: list[dict]) -> int:
+    """Append the rows that ran to the long-format results table at `path` (bench-results/results.csv: one line
+    per (run, case, backend, metric), the run's environment on every line), creating it with its header; returns
+    the lines written. Rows that did not run (unsupported, errors) carry no metric and are left out."""
+    lines = [{**{k: env.get(k) for k in RESULT_COLUMNS[:7]}, "case": r["case"], "mode": r["mode"],
+              "causal": r.get("causal"), "backend": r["backend"], "kernels": r.get("kernels"), "metric": m,
+              "value": r[m]}
+             for r in rows if r.get("status") == "ok" for m in RESULT_METRICS if r.get(m) is not None]
+    new = not os.path.exists(path)
+    with open(make_parent(path), "a", newline="") as f:
+        writer = csv.DictWriter(f, RESULT_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerows(lines)
+    return len(lines)
+
+
 def write_csv(path: str, env: dict, rows: list[dict]) -> None:
     columns = list(dict.fromkeys(k for r in rows for k in r)) + list(ENV_COLUMNS)
     with open(make_parent(path), "w", newline="") as f:

@@ -9,7 +9,7 @@ relative to the fastest other backend that passed.
 
 Note [interleaved rounds]: a GPU that has idled for a few seconds (a backend compiling, inputs being made) runs
 the next kernels faster for a while: on the H200, d128 forward at S=16k read 568 TFLOP/s as the first backend
-timed in a process and 503-510 when it came second (PERF.md, run S4-10); the ratio to the other backend moved by
+timed in a process and 503-510 when it came second (docs/perf.md, Method); the ratio to the other backend moved by
 up to 15% with the order alone. So every backend of a case is set up first (compiled, checked), and then timed
 in ROUNDS rounds of rep_ms / ROUNDS each, the order rotated by one backend per round, and each row's median and
 percentiles are taken over all its rounds' repetitions: each backend meets the same mix of machine states.

@@ -11,8 +11,8 @@ there), and `summarize` pools the rounds' repetitions.
 Note [sustained clocks]: the H200 we measure on runs at 1980 MHz when work starts after an idle moment, and its
 power limit (700 W) pulls the SM clock to 1665-1680 MHz within about 100 ms of heavy tensor work (nvidia-smi
 every 20 ms beside a back-to-back d128 forward at S=4k: 0.84-0.86 ms a call for the first ~80 ms, then 0.955 ms,
-reason "SW power cap"; PERF.md, v13). do_bench's 25 ms warm-up left a round's repetitions partly in the boost
-window and partly past it: the two modes of PERF.md's session-12 lead 1 (the same kernel at 0.477 or 0.51 ms),
+reason "SW power cap"). do_bench's 25 ms warm-up left a round's repetitions partly in the boost window and
+partly past it: two modes of one kernel's time (the same kernel at 0.477 or 0.51 ms),
 and a case timed after an idle gap (inputs, reference checks) looked faster than one timed after another case.
 Heated first, every round measures the sustained clock, which is what a training or serving run sees.
 

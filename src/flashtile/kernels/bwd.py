@@ -31,7 +31,7 @@ autotuned to. Calls captured into a CUDA graph launch without PDL (ops/bwd.py): 
 on our GPU.
 Publishing before the dQ main loop instead (as early as delta is known) made the causal d64 dQ kernel fault on the
 H200 at its (64, 64, 4, 2) tile ("unspecified launch failure" inside the pipelined key loop; the same code without
-the barrier and add ran): PERF.md, session 6.
+the barrier and add ran).
 
 Math per (query tile, key tile), logits in log2 units (masking.py), lse2 = lse * log2(e):
   P = exp2(s2 - lse2);  dV += P^T dO;  dP = dO V^T;  dS = P * (dP - delta) [* (1 - tanh^2) with softcap]
@@ -49,9 +49,9 @@ kernel streams K and V through host descriptors where the forward does (DESC: op
 descriptors]; a packed box that crosses the sequence's end reads the next sequence's rows, which the masked blocks
 zero). A device descriptor costs a global write and two proxy fences before the first load, and at the dQ tile's
 ~1.2 µs per key block that fixed cost weighed: on the H200 the host descriptors made dQ 6-7% faster on the
-16-sequence mix and 9-12% at S=1k, even at 4k (PERF.md v15; session 3 had measured no gain, with other tiles). The
+16-sequence mix and 9-12% at S=1k, even at 4k (an earlier measurement with other tiles had found no gain). The
 dK/dV kernel builds its Q and dO descriptors per (sequence, head) on the device (with host descriptors they were no
-faster in session 3 and crashed ptxas at d128).
+faster and crashed ptxas at d128).
 """
 
 import triton
@@ -280,9 +280,9 @@ def _bwd_dq_kernel(
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     # Each loop only where it can have blocks: an empty pipelined loop still costs ~0.4 µs (its prologue's waits;
-    # H200 trace, PERF.md v15). Only a window's left edge makes a masked front, and its loop is not under a runtime
+    # H200 trace). Only a window's left edge makes a masked front, and its loop is not under a runtime
     # `if`: ptxas serialised every wgmma of the kernel when it was (the `if` yields dq from the loop's wgmma, whose
-    # registers get moved; PERF.md v18). Unmasked tiles often have no masked tail.
+    # registers get moved; docs/design/hopper-pipeline.md). Unmasked tiles often have no masked tail.
     if MASK_LEFT:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, full_lo, seqlen_k, diag,
                            wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,

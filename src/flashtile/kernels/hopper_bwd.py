@@ -29,7 +29,7 @@ hopper_fwd.py): key rows past the sequence only reach their own rows of dK and d
 key tile goes through hopper_common.store_rows); query and dO rows past it would reach every key's gradient
 (0 x inf in dSᵀ Q and Pᵀ dO). So the loader lands that tile (the last of each head's pass) on a barrier of its
 own, zeroes those rows (zero_rows_from) and only then releases the slot to the consumers. Zeroing in the consumers
-(session 10) cost them registers, and ptxas spilled values that their loops reload every tile; here, on the
+(as first written) cost them registers, and ptxas spilled values that their loops reload every tile; here, on the
 16-sequence mix with the heads-first grid, dK/dV is 3% faster than with the consumers zeroing (causal: even).
 
 Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
@@ -257,14 +257,14 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
             # only other tile that needs care is the last of a sequence that does not end on a tile boundary (its
             # LSE and delta rows past seqlen_q). So the diagonal tiles, then one loop with those loads masked in
             # every tile. The loop nest above (masked tail tiles in a loop of their own, nested in the passes) made
-            # the 16-sequence mix's dK/dV 11% slower without a mask and 8% causal (on the H200; PERF.md, v12).
+            # the 16-sequence mix's dK/dV 11% slower without a mask and 8% causal (on the H200).
             if MASK_RIGHT:
                 for t in range(own0, front):
                     dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                    delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
                                    BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
             # A literal 0 without a mask: starting from n_front there (a runtime min(0, n_tiles)) ran the mix's
-            # dK/dV 4% slower (PERF.md, v12).
+            # dK/dV 4% slower.
             for t in range(front if MASK_RIGHT else 0, own1):
                 dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
                                delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
@@ -356,7 +356,7 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     under the current one's query tiles; the loader describes each item in shared memory (`info`); a consumer
     stages its dK and dV in its item's K and V buffers and leaves the TMA stores in flight until the next item's K
     and V have landed, then hands the set back (`kv_free`), for the item after next. The second set is what the
-    ring's three slots leave of shared memory (224 KiB in all). Measured on the H200 (PERF.md v15): a program of the
+    ring's three slots leave of shared memory (224 KiB in all). Measured on the H200 (docs/design/scheduling.md): a program of the
     one-program-per-tile grid paid ~5.5 µs besides its query tiles (~1.8 µs each), and the 16-sequence mix runs
     16 programs per SM of 16 tiles (causal) where dense 4k runs 33. Persistent, the mix's causal dK/dV went from
     553 to 497 µs (-10%), with the same results bit for bit; without a mask (31 tiles a program) 927 -> 937."""

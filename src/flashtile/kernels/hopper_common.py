@@ -90,7 +90,7 @@ def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     are (-1, -1); such an entry becomes tile 0 of sequence 0 with no rows (seq_lengths gives an invalid entry none),
     and the persistent loaders publish it as the end of their work. A negative tile would put negative rows in its
     TMA stores' coordinates, which the H200 faults on as an illegal instruction although the whole box lies outside
-    the descriptor (compute-sanitizer, session 8).
+    the descriptor (compute-sanitizer; docs/design/descriptors.md).
 
     `index`: the persistent kernels' work item divided by the heads (work_item)."""
     entry = TILES + 2 * index

@@ -11,7 +11,7 @@ one such item after another (Note [persistent varlen forward]):
                                          wait for the P V update; arrive on slot j-1's `empty` (count 2)
 
 Two kinds of overlap, neither of which stock Triton 3.6 produces on sm_90 (its loops wait for every wgmma before
-the next instruction; PERF.md, "What the compiled loops do"): across the two consumer warpgroups, whose softmax and
+the next instruction; docs/design/hopper-pipeline.md): across the two consumer warpgroups, whose softmax and
 matmuls interleave on the SM's tensor cores under the warp schedulers, and inside each, where the softmax of block
 j runs while the tensor cores still work on block j-1's P V. The loader gives up its registers (setmaxnreg) so the
 consumers hold S, P and O (240 registers a thread, no spill at d128).
@@ -391,20 +391,20 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence.
 
     Note [persistent varlen forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
-    inside the kernel (globaltimer and clock64 at each phase, H200, PERF.md v14): its start 0.4 µs (0.9 with the
+    inside the kernel (globaltimer and clock64 at each phase, H200): its start 0.4 µs (0.9 with the
     varlen lookups), the Q load 1.2 µs, the first S and its softmax with no P V to hide them 1.3 µs, the last P V,
     the O store 1.1 µs, and 0.6-0.7 µs between one program's end and the next one's start on the SM: some 7,000
     cycles, 2.5 key blocks. Dense 4k programs see 32 key blocks (16 causal), the 16-sequence mix's 14 (8 causal).
     So a varlen program works through items, and each item's fixed costs land under another's key blocks:
     - the loader takes the next item from COUNTER (an atomic add), in the list's order, when it has issued the
       current item's last K/V load: the greedy order the hardware gives a grid's programs, which balances causal
-      items of unequal cost (a static round-robin over programs made the causal mix 10% slower, PERF.md v13);
+      items of unequal cost (a static round-robin over programs made the causal mix 10% slower);
     - an item is (sequence, head, tile), the tiles fastest within a sequence, so that the items in flight share a
       few heads' K/V in L2 (heads fastest, Note [varlen grid order], was 6% slower on 4k sequences here);
     - Q has two sets of buffers, item r in set r % 2, so the next item's Q loads under the current one's key
       blocks. The second set takes one K slot: K and V have rings of their own, STAGES - 1 and STAGES slots, and a
       consumer hands K_j back as soon as S_j is done, V_j after P_j V_j (one joint ring of two slots starved the
-      in-warpgroup overlap: 17% slower, PERF.md S7-0);
+      in-warpgroup overlap: 17% slower);
     - the loader describes each item to the consumers in shared memory (hopper_common.publish_item: `info`, a
       slot per Q set), so they never wait on a global load between items;
     - a consumer stages O in its item's Q buffer and leaves the TMA store in flight; once the next item's first S
@@ -419,7 +419,7 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     tensor holds all its heads (H x 256 bytes at d128), so they read whole rows together; with the tile list
     fastest (a dense grid's order) they were the tiles of one head of many sequences, each reading 256 bytes of
     every row. On the 16-sequence mix (H200, bf16, d128, H=16) heads first made the then one-program-per-tile
-    Gluon dK/dV 4% faster (7% causal) and forward 4% (PERF.md, v11). The dense grids keep theirs (heads first is not
+    Gluon dK/dV 4% faster (7% causal) and forward 4%. The dense grids keep theirs (heads first is not
     measured there), and the persistent Gluon kernels their own (tiles fastest within a sequence: above).
 
     Note [varlen descriptors]: a box over a packed tensor does not end where the sequence does, so the last tile of
@@ -429,10 +429,10 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     past the sequence meets P = 0 in P V, and 0 x inf is NaN, so the consumers zero those rows of the last V tile
     (hopper_common.zero_rows_from) before its wgmma. A tile of O that ends past the sequence is staged in shared
     memory as for the TMA store, then stored by pointer under a row mask (store_rows). Descriptors built on the
-    device over each sequence's rows, which end where it does, did this job until session 10; each costs a global
+    device over each sequence's rows, which end where it does, did this job before; each costs a global
     write and a fence before its first use, and replacing the forward's last two and all six of dK/dV's made the
     16-sequence mix 4% faster forward (9% causal) and 3% forward+backward (7% causal), with bitwise the same results
-    (PERF.md, v10)."""
+    (docs/design/descriptors.md)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
     if not IS_VARLEN:
         b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off = dense_query_tile(

@@ -147,13 +147,13 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
     the list folded into z past y's limit (ops/common.tile_grid): program (h, y, z) is position z * Y + y in the
     tile list (Note [varlen tile list]), found by walking SCHEDULE, (2, batch) int32, the sequences in launch order
     and their tiled lengths, STEP sequences at a time (ops/common.schedule_step sizes it by the batch: a prefix sum
-    1024 wide for 16 sequences made the causal dQ kernel 2-4% slower, PERF.md v11). Within a sequence the tiles
+    1024 wide for 16 sequences made the causal dQ kernel 2-4% slower). Within a sequence the tiles
     come last first if LAST_FIRST. A program past the list gets sequence 0 and a tile index past any sequence's
     end, so its end-of-sequence check exits it.
 
     LISTED: SCHEDULE is instead that list written out for this BLOCK and LAST_FIRST (ops/common.varlen_plan), and
     the program reads its entry: one load in place of the walk's prefix sums, which cost the varlen dQ kernel
-    registers (ptxas: 213 against 197 listed, dense 176) and 4-6% of its time (PERF.md, v13).
+    registers (ptxas: 213 against 197 listed, dense 176) and 4-6% of its time.
     """
     if IS_VARLEN:
         h = tl.program_id(0)

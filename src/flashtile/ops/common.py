@@ -8,7 +8,7 @@ dispatcher, and at short lengths it cost more than the kernels: on the H200 mach
 autograd, while the GPU needed ~1.1 ms (causal), so the call ran at the host's pace. So `call` runs the
 implementation directly when nothing traces the call (not compiling, every tensor a plain torch.Tensor or
 Parameter), and the op otherwise; autograd.py does the same with a torch.autograd.Function around the two
-implementations, which enqueues the same forward+backward in 0.85-0.95 ms (tools/host_overhead.py; PERF.md).
+implementations, which enqueues the same forward+backward in 0.85-0.95 ms (docs/design/launch-path.md).
 Both routes run the same functions.
 """
 

@@ -31,14 +31,14 @@ from .launch import launch_direct, launch_opts
 from .fwd import logit_scales
 
 _GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
-_TUNED = "measured on H200, 2026-11-29, triton 3.6, tools/tune_decode.py (PERF.md)"
+_TUNED = "measured on H200, 2026-11-29, triton 3.6, tools/tune_decode.py"
 _SCALED = "d128's measured tile scaled to the same K/V bytes per stage, not measured"
 
 # Padded head dim -> decode tile config. block_m is the most packed query rows (GQA group x tokens) per tile: a
 # decode step packs fewer, and the launcher shrinks BLOCK_M to the next power of two >= 16 of what it packs.
 # Decode streams K/V: the tile sets the bytes each load moves and, through shared memory, how many programs an
 # SM holds (d128: a 16 KB K+V stage at 32 rows, ~38 KB of shared memory per program for one token's GQA group).
-# Measured at d128 (tools/tune_decode.py, PERF.md): 32-row tiles read 4.07 / 3.93 / 4.08 TB/s on 2 x 128k tokens
+# Measured at d128 (tools/tune_decode.py): 32-row tiles read 4.07 / 3.93 / 4.08 TB/s on 2 x 128k tokens
 # (contiguous / 16-token pages / 256-token pages) against 3.61 / 2.82 / 3.41 with 64 rows, and won 6 of 9
 # corners; they lost on 8 x 32k paged (3.04 / 2.94 against 3.24 / 3.78), a case then launched in 1.09 waves
 # (see the split heuristic below).
@@ -63,7 +63,7 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 # session-2 rule, and the wave it spilled into cost up to 25% paged: a launch of 1.03-1.45 waves runs its last
 # programs on a few SMs, each reading at one program's latency-bound rate (tools/tune_decode.py --splits, 256k
 # cached tokens, Sq=1: at 0.97-1.00 wave 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at
-# 1.03-1.45 waves 2.89-3.67 paged; PERF.md). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its
+# 1.03-1.45 waves 2.89-3.67 paged). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its
 # pipeline fills, and the partial buffers are capped at MAX_SPLITS. Head dims other than 128 use the same
 # occupancy, not measured.
 PROGRAMS_PER_SM = 4
@@ -117,7 +117,7 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     16: one token's GQA group) the register budget that allows is a launch option (maxnreg), wherever it leaves at
     least MIN_MAXNREG registers a thread: without it, pages smaller than a tile took 149 registers at d128 (3
     programs an SM, so a launch of "one wave" ran in 1.3) and now fit 124-128 without a spill with every flag on
-    (ptxas, sm_90a; measured 1-3% faster on every decode-preset row, PERF.md). Tiles of more packed rows (larger
+    (ptxas, sm_90a; measured 1-3% faster on every decode-preset row). Tiles of more packed rows (larger
     groups, more query tokens) would spill under that cap and keep their registers."""
     opts = launch_opts(cfg)
     if paged:

@@ -2,7 +2,7 @@
 a call whose shapes were seen before skips everything Triton and the launchers derive from those shapes.
 
 Note [launch cache]: on the H200 machine's host CPU a B=16, S=1k, d128 causal forward took 170-290 µs of Python
-to enqueue a kernel that runs for 205 µs (PERF.md, S5-1): `JITFunction.run` alone 46 µs (binding and
+to enqueue a kernel that runs for 205 µs (docs/design/launch-path.md): `JITFunction.run` alone 46 µs (binding and
 specialising 55 arguments 15, the compiled-kernel lookup 5, the launcher 26), the launcher's own derivations
 (strides, flags, grid, descriptors, the tile config's pre-hook) most of the rest. A benchmark that clears L2
 between repetitions hides ~80 µs of that behind the clearing kernel; the rest the GPU spent waiting, so short
@@ -15,7 +15,7 @@ launcher builds from what it reads (shapes, strides, dtypes, pointer alignment, 
 The first call with a key computes the static part (a callable, so a repeated call does not) and launches
 through Triton, which specialises and compiles as usual; the compiled kernel, grid and static arguments are kept
 under the key, and the next calls go straight to the compiled kernel's launcher with `(*dynamic, *static)`.
-Measured on the H200 machine (S5-2): the API forward 170 -> 83 µs, the backward implementation 163 -> 77 µs, and
+Measured on the H200 machine: the API forward 170 -> 83 µs, the backward implementation 163 -> 77 µs, and
 the S=1k cells that timed the host now time the kernels.
 
 That is only right if the key determines the static part and the specialisation of the dynamic part (Triton
