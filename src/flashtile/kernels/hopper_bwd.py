@@ -356,10 +356,11 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     under the current one's query tiles; the loader describes each item in shared memory (`info`); a consumer
     stages its dK and dV in its item's K and V buffers and leaves the TMA stores in flight until the next item's K
     and V have landed, then hands the set back (`kv_free`), for the item after next. The second set is what the
-    ring's three slots leave of shared memory (224 KiB in all). Measured on the H200 (docs/design/scheduling.md): a program of the
-    one-program-per-tile grid paid ~5.5 µs besides its query tiles (~1.8 µs each), and the 16-sequence mix runs
-    16 programs per SM of 16 tiles (causal) where dense 4k runs 33. Persistent, the mix's causal dK/dV went from
-    553 to 497 µs (-10%), with the same results bit for bit; without a mask (31 tiles a program) 927 -> 937."""
+    ring's three slots leave of shared memory (224 KiB in all). Measured on the H200 (docs/design/scheduling.md):
+    a program of the one-program-per-tile grid paid ~5.5 µs besides its query tiles (~1.8 µs each), and the
+    16-sequence mix runs 16 programs per SM of 16 tiles (causal) where dense 4k runs 33. Persistent, the mix's
+    causal dK/dV went from 553 to 497 µs (-10%), with the same results bit for bit; without a mask (31 tiles a
+    program) 927 -> 937."""
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
     q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)

@@ -35,16 +35,16 @@ item's Q and dO load under the current one's key blocks; the loader describes ea
 (hopper_common.publish_item); the K/V ring runs on from item to item. A consumer stages dQ in its Q buffer and
 leaves the store in flight; at its next item it waits for that store and hands the set back (`q_free`). What it
 hides: a Triton dQ program's fixed cost besides its key blocks, the held tiles' loads, delta and the store, ~5 µs
-(docs/design/scheduling.md), which the 16-sequence mix pays on twice as many programs per FLOP as dense 4k. On the H200
-against the Triton varlen dQ it replaced, the mix's forward+backward is 4.5% faster, causal 0-8% (noisy), with
-the same gradient checksums.
+(docs/design/scheduling.md), which the 16-sequence mix pays on twice as many programs per FLOP as dense 4k. On
+the H200 against the Triton varlen dQ it replaced, the mix's forward+backward is 4.5% faster, causal 0-8%
+(noisy), with the same gradient checksums.
 
 Note [dQ update in its block]: with the update kept in flight into the next block (issued behind that block's S
 and dP, as the forward keeps P V in flight under the softmax), the accumulators in flight outgrew what ptxas had
 registers for, and it serialised every wgmma of the kernel (C7512): the kernel was then 3-6% slower over forward
-+ backward than the Triton dQ. Waited for in its block, ptxas keeps the wgmma asynchronous, and
-the two consumer warpgroups still overlap one another's updates: on the H200, gradients whose checksums equal the
-Triton dQ kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (docs/design/hopper-pipeline.md).
++ backward than the Triton dQ. Waited for in its block, ptxas keeps the wgmma asynchronous, and the two consumer
+warpgroups still overlap one another's updates: on the H200, gradients whose checksums equal the Triton dQ
+kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (docs/design/hopper-pipeline.md).
 
 Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any
 lengths, causal and sliding windows. Not softcap, ALiBi, seqused.

@@ -123,10 +123,9 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     # where each program runs few key blocks). A packed varlen batch gets host descriptors over (total, H, D) for
     # Q, K and V, whose boxes may cross into the next sequence (kernels/fwd.py: DESC says why that is safe), and
     # keeps a per-sequence one for O. Measured on the H200 (docs/design/descriptors.md): the dense forward 4-23%
-    # faster at S = 1k-4k,
-    # the varlen forward 9-11% on 16 sequences of 256-4096 tokens. The backward's dQ kernel streams K and V through
-    # the same host descriptors and reads the tiles it holds with pointer loads (kernels/bwd.py: Memory); host
-    # descriptors for every tile ran 6-9% slower (the held tiles spilled).
+    # faster at S = 1k-4k, the varlen forward 9-11% on 16 sequences of 256-4096 tokens. The backward's dQ kernel
+    # streams K and V through the same host descriptors and reads the tiles it holds with pointer loads
+    # (kernels/bwd.py: Memory); host descriptors for every tile ran 6-9% slower (the held tiles spilled).
     host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
     # Plain ints: comparing the kernels' tl.constexpr constants costs a microsecond each.
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
