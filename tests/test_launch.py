@@ -42,9 +42,12 @@ def test_repeated_signature_hits_the_cache_and_stays_exact(device, monkeypatch):
 
 
 @pytest.mark.parametrize("change", ["window", "strides", "misaligned_alibi", "seqlen", "softmax_scale"])
-def test_what_changes_a_kernel_argument_changes_the_key(device, change):
-    """Each call differs from the first in one thing the kernels see; each result is checked (and, under the
-    interpreter, a hit with a stale key would raise)."""
+def test_what_changes_a_kernel_argument_changes_the_key(device, monkeypatch, change):
+    """Each call differs from the first in one thing the kernels see. What the static arguments or the
+    specialisation read gives each of the three kernels a new key; the softmax scale is a dynamic argument, which
+    the cached launch takes anew. Each result is checked (and, under the interpreter, a hit with a stale key would
+    raise)."""
+    monkeypatch.setattr(launch, "_CACHE", {})
     q, k, v = _inputs(device, 2)
     dout = torch.randn_like(q)
     slopes = torch.tensor([0.5, 0.25], device=device)
@@ -63,7 +66,9 @@ def test_what_changes_a_kernel_argument_changes_the_key(device, change):
         dout = torch.randn_like(q2)
     else:
         kw = dict(kw, softmax_scale=0.3)
+    assert launch.cache_info() == 3  # forward, dQ, dK/dV
     _check(q2, k2, v2, flashtile.flash_attn_func(q2, k2, v2, **kw), dout, **kw)
+    assert launch.cache_info() == (3 if change == "softmax_scale" else 6)
 
 
 def test_an_incomplete_key_is_caught(device, monkeypatch):
