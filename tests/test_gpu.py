@@ -29,7 +29,7 @@ def test_real_sizes(device, dtype, head_dim, mask):
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fp32_every_head_dim(device, head_dim, varlen):
     """fp32 inputs take smaller tiles where the table's would not fit in shared memory (config.FP32): the d128 dQ
-    kernel asked for 321 KiB before session 10."""
+    kernel asked for 321 KiB of the fp16 row's tile."""
     if varlen:
         run_varlen(device, [300, 0, 129, 517], [300, 0, 129, 517], 4, 2, head_dim, torch.float32, True)
     else:

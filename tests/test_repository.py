@@ -25,7 +25,7 @@ def test_commit_subjects_are_at_most_72_characters():
 
 
 def test_source_comments_cite_notes_not_runs():
-    pattern = re.compile(r"session \d+|PERF\.md|\bS\d+-\d+\b")
+    pattern = re.compile(r"\b[Ss]ession[- ]?\d+|PERF\.md|\bS\d+-\d+\b|\bv\d+\b")
     found = []
     for folder, _, files in os.walk(os.path.join(ROOT, "src", "flashtile")):
         for name in files:

@@ -4,9 +4,9 @@
 #   part 1 (carry .fa4a): GPU test tier, varlen preset (with its dense baseline), decode preset
 #   part 2 (carry .fa4b): FA4 installed, then the standard sweep at d128 and d64, one JSON per head dim and mode
 #   part 3 (no carry, straight after part 2: FA4 is still installed on the warm machine): the sweep at d256
-# Session 3 needed ~350 s for part 2's sweeps and ~300 s for d256 with every backend: one call (600 s) cannot
+# A measured run needed ~350 s for part 2's sweeps and ~300 s for d256 with every backend: one call (600 s) cannot
 # hold all three head dims. Every log and JSON goes to $OUT; a bench cut short by its time limit keeps the cases
-# it finished. The time limits were sized in session 3, before the bench timed backends in interleaved rounds
+# it finished. The time limits were sized before the bench timed backends in interleaved rounds
 # (bench/run.py), which adds a do_bench warm-up per round: watch for runs cut short.
 # Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2|3 [git-sha]
 set -u

@@ -112,7 +112,7 @@ class HopperConfig:
 
 _HOPPER_FWD = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 x in-warpgroup overlap on/off at S=1k/4k/16k, "
                "causal and not; 3 stages with overlap fastest in all six")
-_HOPPER_DQ = ("the v8 Gluon dQ's tile (BLOCK_N = BLOCK_M: the consumers' ranges differ by whole key blocks), "
+_HOPPER_DQ = ("the Gluon dQ's tile (BLOCK_N = BLOCK_M: the consumers' ranges differ by whole key blocks), "
               "3 stages as dK/dV; measured on H200, 2026-11-30, triton 3.6, against the Triton dQ")
 _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k/16k; 3 faster at 1k and 16k, "
                 "even at 4k, 1.5% slower at 1k causal")

@@ -15,7 +15,7 @@ shape.
 
 Note [one plan per step]: a varlen call's kernels read a plan (ops/common.varlen_plan: the launch order, tile lists
 and work counters), one small launch that costs ~20 µs of host time on the H200 machine, as much as a kernel
-launch of the attention itself. Session 15's varlen forward+backward made six of them around its three kernels
+launch of the attention itself. A varlen forward+backward once made six of them around its three kernels
 (the forward's schedule and list, the backward's dQ list and dK/dV list, besides the kernels that read them), and
 it was host-bound: the autograd engine hands the backward to its device thread after the forward returns, and
 the host reached the dQ launch after the GPU had finished the ~280 µs causal forward of the benchmark's

@@ -59,8 +59,8 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
 # once (d128: 4 warps of at most 128 registers a thread, a cap decode_launch_opts sets, and 38 KB of shared
-# memory each), and the launch is given as many splits as fit in that one wave, rounded down. Rounding up was the
-# session-2 rule, and the wave it spilled into cost up to 25% paged: a launch of 1.03-1.45 waves runs its last
+# memory each), and the launch is given as many splits as fit in that one wave, rounded down. Rounding up, the
+# first rule, spilled into another wave, which cost up to 25% paged: a launch of 1.03-1.45 waves runs its last
 # programs on a few SMs, each reading at one program's latency-bound rate (tools/tune_decode.py --splits, 256k
 # cached tokens, Sq=1: at 0.97-1.00 wave 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at
 # 1.03-1.45 waves 2.89-3.67 paged). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its
