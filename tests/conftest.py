@@ -2,7 +2,9 @@
 any kernel module is imported, so this file sets TRITON_INTERPRET first. With a GPU (the H200 tier, `pytest -m
 gpu`) the same tests run on the device, plus the `gpu`-marked ones at real sizes."""
 
+import fcntl
 import os
+import tempfile
 
 import torch
 
@@ -20,6 +22,29 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _return_cached_gpu_memory():
+    """pytest-xdist's workers share the GPU, and PyTorch's caching allocator keeps each one's peak: after a test
+    that left more than 4 GiB cached, hand it back, so that the large tests below find room."""
+    yield
+    if DEVICE == "cuda" and torch.cuda.memory_reserved() > 4 << 30:
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def large_gpu_memory():
+    """For a test that needs tens of GB: one such test at a time across the workers (a file lock), with this
+    worker's cache emptied first."""
+    with open(os.path.join(tempfile.gettempdir(), "flashtile-large-gpu-test.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(config, items):

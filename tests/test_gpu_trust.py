@@ -116,6 +116,35 @@ def test_varlen_one_query_per_sequence_repeated(device):
         assert torch.equal(flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 239, causal=True), first)
 
 
+FEWER_QUERIES = [([1], [484]), ([64], [484]), ([200], [484]), ([3, 2, 1, 1, 3], [437, 380, 97, 559, 425])]
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (1, 1), (4, 2)], ids=lambda h: f"h{h[0]}hk{h[1]}")
+@pytest.mark.parametrize("lens", FEWER_QUERIES, ids=lambda lens: f"q{sum(lens[0])}k{sum(lens[1])}")
+def test_varlen_backward_with_fewer_queries_than_keys(device, lens, heads):
+    """Found by tools/stress.py --kinds varlen_short: the persistent Gluon dK/dV kernel's gradients were wrong
+    (NaN, rows never written, reruns that differ) for varlen causal MHA with fewer queries than keys (Note
+    [varlen dK/dV without GQA] in ops/hopper.py). Against the oracle, then reruns of the backward bitwise."""
+    lens_q, lens_k = lens
+    for dtype in (torch.float16, torch.bfloat16):
+        out, _, grads = run_varlen(device, lens_q, lens_k, *heads, 128, dtype, causal=True, seed=sum(lens_k))
+    paths = flashtile.last_kernel_paths()
+    assert paths["fwd"] == "gluon-sm90"
+    assert paths["bwd_dkdv"] == ("triton" if heads[0] == heads[1] else "gluon-sm90"), paths
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for x in lens)
+    g = torch.Generator(device=device).manual_seed(3)
+    q = torch.randn(sum(lens_q), heads[0], 128, device=device, generator=g).half().requires_grad_()
+    k, v = (torch.randn(sum(lens_k), heads[1], 128, device=device, generator=g).half().requires_grad_()
+            for _ in range(2))
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(50):
+        for a, b in zip(first, torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)):
+            assert torch.equal(a, b)
+
+
 def test_paged_cache_lengths_are_checked_in_eager_mode(device):
     """flash-attn raises for a paged cache whose lengths pass its block table, paying a device-to-host copy; so
     does flashtile. A contiguous cache's call does not synchronise (its values are clamped), nor does a captured
@@ -204,7 +233,7 @@ def test_batch_times_heads_beyond_one_grid_dimension(device):
     assert torch.allclose(decoded.float(), out[:, -1:].float(), atol=2e-2, rtol=0)
 
 
-def test_more_than_two_to_the_31_elements(device):
+def test_more_than_two_to_the_31_elements(device, large_gpu_memory):
     """Dense q, k, v of 1025 x 1024 x 16 x 128 (> 2^31 elements each): every offset past 2^31 is 64-bit."""
     b, s, h, d = 1025, 1024, 16, 128
     assert b * s * h * d > 2**31

@@ -759,7 +759,7 @@ def test_gpu_paged(device, page_size):
 
 
 @pytest.mark.gpu
-def test_gpu_more_than_2_31_elements(device):
+def test_gpu_more_than_2_31_elements(device, large_gpu_memory):
     """1025 sequences of 1024 tokens, 16 heads of 128: 2^31 + 2^21 elements per tensor (4.3 GB in bf16, ~35 GB in
     all). The first and last sequences, forward and backward, against the fp64 reference. head_major views
     (H, total, D) storage as (total, H, D), so that the head stride is the large one. The layouts run one after the
@@ -796,7 +796,7 @@ def test_gpu_more_than_2_31_elements(device):
 
 
 @pytest.mark.gpu
-def test_gpu_tile_list_past_the_grid_y_limit(device):
+def test_gpu_tile_list_past_the_grid_y_limit(device, large_gpu_memory):
     """66,000 sequences of 128 tokens (8.4M, one head of 128): the Gluon kernels' tile lists have more entries than
     a grid's y axis takes (65,535) and fold into z (ops/common.tile_grid). The first and last sequences, forward
     and backward, against the fp64 reference: the last one's tiles are in the second fold."""

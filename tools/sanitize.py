@@ -6,8 +6,10 @@
 Covers the Triton and the Gluon (sm_90) kernels: dense forward+backward at head dims 64 (Triton), 128 (Gluon) and
 256 (Triton, whose backward's dK/dV kernel runs beside dQ through PDL), causal and windowed; varlen forward+backward
 through the persistent Gluon kernels (one query per sequence among them) and the Triton ones; paged varlen;
-KV-cache decode with append, rotary and pages; combine. --small halves the shapes (racecheck is slow). Prints
-one line per call; the sanitizer's own report says what it found.
+KV-cache decode with append, rotary and pages; combine. --small halves the shapes (racecheck is slow); --only
+runs some of the sections (dense, varlen, paged, kvcache, combine) and --head-dims some of the dense and varlen
+head dims, and --forward runs no backward, so that a sanitizer's report can be narrowed to one kernel. Prints one line per call; the sanitizer's
+own report says what it found.
 """
 
 import argparse
@@ -18,6 +20,9 @@ import torch
 import flashtile
 
 
+SECTIONS = ["dense", "varlen", "paged", "kvcache", "combine"]
+
+
 def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
@@ -25,45 +30,58 @@ def _cu(lengths):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run")
+    parser.add_argument("--head-dims", default="64,128,256", help="dense and varlen head dims (64, 128, 256)")
+    parser.add_argument("--forward", action="store_true", help="run no backward")
     args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(only - set(SECTIONS))}; choose from {SECTIONS}")
+    head_dims = [int(d) for d in args.head_dims.split(",")]
     s = 160 if args.small else 300
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape, grad=False):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(grad)
 
-    for d in (64, 128, 256):
+    for d in head_dims if "dense" in only else ():
         for kw in (dict(causal=True), dict(window_size=(37, 11))):
             q, k, v = randn(2, s, 4, d, grad=True), randn(2, s + 17, 2, d, grad=True), randn(2, s + 17, 2, d,
                                                                                                grad=True)
             out = flashtile.flash_attn_func(q, k, v, **kw)
-            out.float().sum().backward()
+            if not args.forward:
+                out.float().sum().backward()
             print(f"dense d{d} {kw}: {flashtile.last_kernel_paths()}", flush=True)
-    for d in (64, 128):
+    for d in [d for d in head_dims if d != 256] if "varlen" in only else ():
         for lens_q, lens_k in (([1] * 8, [219, 222, 225, 228, 231, 234, 237, 239]), ([s, 0, 129, 1, 65], None)):
             lens_k = lens_k or lens_q
             q, k, v = randn(sum(lens_q), 4, d, grad=True), randn(sum(lens_k), 2, d, grad=True), randn(
                 sum(lens_k), 2, d, grad=True)
             out = flashtile.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k),
                                                    causal=True)
-            out.float().sum().backward()
+            if not args.forward:
+                out.float().sum().backward()
             print(f"varlen d{d} {len(lens_q)} sequences: {flashtile.last_kernel_paths()}", flush=True)
     pages = randn(12, 64, 2, 128), randn(12, 64, 2, 128)
     table = torch.arange(12, dtype=torch.int32, device="cuda").reshape(3, 4)
     lens = [200, 1, 77]
-    out = flashtile.flash_attn_varlen_func(randn(sum(lens), 4, 128), *pages, _cu(lens), _cu(lens), 200, 200,
-                                           causal=True, block_table=table)
-    print("paged varlen d128", flush=True)
+    if "paged" in only:
+        flashtile.flash_attn_varlen_func(randn(sum(lens), 4, 128), *pages, _cu(lens), _cu(lens), 200, 200,
+                                         causal=True, block_table=table)
+        print("paged varlen d128", flush=True)
     cos, sin = (torch.rand(256, 32, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
-    for table_or_none, k_cache, v_cache in ((table, *pages), (None, randn(3, 256, 2, 128), randn(3, 256, 2, 128))):
+    caches = ((table, *pages), (None, randn(3, 256, 2, 128), randn(3, 256, 2, 128))) if "kvcache" in only else ()
+    for table_or_none, k_cache, v_cache in caches:
         out = flashtile.flash_attn_with_kvcache(
             randn(3, 2, 8, 128), k_cache, v_cache, randn(3, 2, 2, 128), randn(3, 2, 2, 128), rotary_cos=cos,
             rotary_sin=sin, cache_seqlens=torch.tensor([100, 0, 253], dtype=torch.int32, device="cuda"),
             block_table=table_or_none, causal=True, num_splits=3)
         print(f"kvcache {'paged' if table_or_none is not None else 'contiguous'}", flush=True)
-    flashtile.combine(torch.randn(3, 2, 5, 4, 64, device="cuda"), torch.randn(3, 2, 4, 5, device="cuda"))
+    if "combine" in only:
+        flashtile.combine(torch.randn(3, 2, 5, 4, 64, device="cuda"), torch.randn(3, 2, 4, 5, device="cuda"))
+        print("combine", flush=True)
     torch.cuda.synchronize()
-    print("combine; done", flush=True)
+    print("done", flush=True)
     return 0
 
 

@@ -43,7 +43,7 @@ from .common import (PACK_KV, PACK_QKV, Plan, alibi_batch_stride, bmh_strides, c
                      self_attention, tile_grid, tma_ready, unpack, varlen_plan)
 from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
-from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
+from .hopper import HOPPER_PATH, TRITON, hopper_bwd_unsupported, hopper_unsupported, record
 from .launch import Static, head_dims, keep_scratch, launch, prepare_launch, signature
 
 
@@ -101,6 +101,9 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     # The Gluon kernels (Note [hopper path] in ops/hopper.py): dK/dV runs after the dQ kernel, without the handoff.
     gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
                                softcap=softcap, alibi=alibi_slopes is not None) is None
+    gluon = gluon and hopper_bwd_unsupported(
+        varlen, nheads // nheads_kv, window_left, window_right,
+        varlen and self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, q.shape[0], k.shape[0])) is None
     plan_k = None
     if varlen:
         # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
