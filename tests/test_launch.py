@@ -5,10 +5,13 @@ dynamic ones' specialisation and compares them with the cached ones."""
 
 import pytest
 import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashtile
 import flashtile.ops.fwd
-from flashtile.ops import launch
+from flashtile import env
+from flashtile.ops import launch, triton_internals
 from flashtile.testing import attention_ref, check_close
 
 
@@ -114,3 +117,47 @@ def test_host_integer_helpers_match_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in [1, 3, 64, 128, 65535]:
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_the_triton_internals_probe_passes_on_the_tested_triton():
+    """Note [triton internals probe]: on the Triton that pyproject.toml pins, every shortcut holds."""
+    if not env.fast_launch():
+        pytest.skip("FLASHTILE_FAST_LAUNCH=0")
+    assert triton_internals.REASON is None and triton_internals.FAST
+
+
+@pytest.mark.parametrize("change", ["version", "run_call"])
+def test_the_probe_says_what_does_not_hold(monkeypatch, change):
+    if change == "version":
+        monkeypatch.setattr(triton, "__version__", "9.9.0")
+        expected = "9.9.0 is not one"
+    else:
+        monkeypatch.setattr(triton_internals, "_RUN_CALL", "kernel.run(grid, stream)")
+        expected = "JITFunction.run"
+    reason = triton_internals._probe() if env.fast_launch() else "skip"
+    if reason == "skip":
+        pytest.skip("FLASHTILE_FAST_LAUNCH=0")
+    assert expected in reason
+
+
+def test_without_the_shortcuts_every_launch_goes_through_triton(device, monkeypatch):
+    """When the probe fails (Note [triton internals probe]) nothing is cached and descriptors are built by their
+    constructors; the results are the same bits."""
+    kw = dict(causal=True)
+    q, k, v = _inputs(device, 3, d=64)
+    dout = torch.randn_like(q)
+    monkeypatch.setattr(launch, "_CACHE", {})
+    fast = flashtile.flash_attn_func(q, k, v, **kw)
+    fast_grads = torch.autograd.grad(fast, (q, k, v), dout)
+    assert launch.cache_info() == 3
+    monkeypatch.setattr(launch, "_CACHE", {})
+    monkeypatch.setattr(triton_internals, "FAST", False)
+    built = []
+    monkeypatch.setattr(TensorDescriptor, "__post_init__", lambda self: built.append(self), raising=False)
+    slow = flashtile.flash_attn_func(q, k, v, **kw)
+    slow_grads = torch.autograd.grad(slow, (q, k, v), dout)
+    assert launch.cache_info() == 0
+    assert built, "no descriptor went through its constructor"
+    assert torch.equal(fast, slow)
+    for a, b in zip(fast_grads, slow_grads):
+        assert torch.equal(a, b)

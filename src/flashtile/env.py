@@ -10,6 +10,9 @@
   sm_90 and later: kernels/bwd.py, Note [delta handoff]). For measuring what it gains.
 - ``FLASHTILE_HOPPER=0``: run the Triton kernels where the Gluon Hopper kernels would run (sm_90; ops/hopper.py
   says which calls). For measuring, and for ruling the fast path out when chasing a problem.
+- ``FLASHTILE_FAST_LAUNCH=0``: launch through ``kernel[grid](...)`` every time and build TMA descriptors through
+  their constructors, as flashtile does on a Triton whose internals it was not tested with (ops/triton_internals.py,
+  Note [triton internals probe]). Read once, at import.
 - ``TRITON_INTERPRET=1`` (Triton's own): kernels run on the CPU through Triton's interpreter. Read once, at
   import, exactly as Triton reads it.
 """
@@ -34,6 +37,10 @@ def pdl() -> bool:
 
 def hopper() -> bool:
     return _flag("FLASHTILE_HOPPER", default="1")
+
+
+def fast_launch() -> bool:
+    return _flag("FLASHTILE_FAST_LAUNCH", default="1")
 
 
 def debug_checks() -> bool:

@@ -26,6 +26,7 @@ from .. import env
 from ..config import HOPPER, block_d, tile_config
 from ..kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel
 from .launch import capture_target, launch_fixed, signature
+from .triton_internals import descriptor
 
 _TMA_ALIGN = 16  # bytes: TMA descriptors need 16-byte aligned bases and strides
 
@@ -173,13 +174,10 @@ def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     for each config it tries (`descriptor_blocks`)."""
     shape, strides = list(t.shape), kernel_strides(t)
     box = [rows, 1, block_d(shape[-1])]
-    # Built without TensorDescriptor.__init__, whose checks (alignment, strides, block shape) repeat what
-    # tma_ready and the tile table guarantee, at 3 µs a descriptor of host time on the H200 machine (Note
-    # [launch cache] in ops/launch.py).
-    desc = TensorDescriptor.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, *box] if len(shape) == 4 else box,
-                         padding="zero")
-    return desc
+    # Without the dataclass's checks where Triton allows (triton_internals.descriptor): they repeat what tma_ready
+    # and the tile table guarantee.
+    return descriptor(TensorDescriptor, base=t, shape=shape, strides=strides,
+                      block_shape=[1, *box] if len(shape) == 4 else box, padding="zero")
 
 
 def descriptor_blocks(rows: dict):

@@ -32,6 +32,7 @@ from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
 from .common import Plan, capability, kernel_strides, on_gpu, sm_count
 from .launch import launch_fixed, signature
+from .triton_internals import descriptor
 
 try:
     from triton.experimental.gluon import language as gl
@@ -117,12 +118,9 @@ def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
     shape, strides = list(t.shape), kernel_strides(t)
     box = (*(1,) * (t.dim() - 3), rows, 1, shape[-1])
-    # Built without the dataclass's checks (alignment, strides, box), which tma_ready and the config guarantee, as
-    # common.host_desc does (Note [launch cache] in ops/launch.py).
-    desc = TensorDescriptor.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=list(box), layout=_layout(box, t.dtype),
-                         padding="zero")
-    return desc
+    # Without the dataclass's checks where Triton allows, as common.host_desc.
+    return descriptor(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=list(box),
+                      layout=_layout(box, t.dtype), padding="zero")
 
 
 def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left: int, window_right: int,

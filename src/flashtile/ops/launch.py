@@ -23,7 +23,9 @@ specialises pointers on 16-byte alignment, integers on being 1 or a multiple of 
 as constants). `signature` puts alignment, dtype, shape and strides of every tensor in the key; under the
 interpreter (CI) and with FLASHTILE_CHECK=1, every cache hit recomputes the static part and the dynamic
 arguments' specialisation and raises if either differs from what was cached. Calls under a launch hook
-(profilers such as proton) and autotuned calls go through Triton every time.
+(profilers such as proton) and autotuned calls go through Triton every time, and so does every call on a Triton
+whose internals the shortcuts were not tested with (ops/triton_internals.py holds everything that reaches below
+Triton's public API: Note [triton internals probe]).
 
 What this module does not do: decide the arguments (ops/fwd.py, ops/bwd.py) or hold the tile table (config.py).
 """
@@ -38,13 +40,10 @@ from typing import NamedTuple, Optional
 
 import torch
 import triton
-from triton import knobs
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
-from triton.runtime import driver
 
 from .. import env
 from ..config import CANDIDATES, TileConfig, block_d, tile_config
+from . import triton_internals
 
 # Distinct signatures kept; a model has a few per layer shape, a varlen stream one per distinct packed total.
 MAX_CACHED = 1024
@@ -79,15 +78,10 @@ def signature(*xs) -> tuple:
                  for x in xs)
 
 
-def _hooked() -> bool:
-    """Whether a launch hook is installed (profilers such as proton): those launches go through Triton, which
-    calls the hooks. Triton 3.6 keeps them in chains that are empty by default."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
-
-
-def _specialisation(values) -> tuple:
-    return tuple(native_specialize_impl(BaseBackend, x, False, True, True) for x in values)
+def _uncached() -> bool:
+    """Whether launches go through Triton every time: a launch hook is installed (profilers such as proton; Triton
+    calls the hooks), or the shortcuts do not hold for this Triton (Note [triton internals probe])."""
+    return not triton_internals.FAST or triton_internals.launch_hooked()
 
 
 # Note [scratch under PDL]: kernels that build TMA descriptors on the device (tl.make_tensor_descriptor) write
@@ -224,7 +218,7 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
         _autotuned(kernel, name, pre_hook)[lambda meta: s.grid(meta["BLOCK_M"], meta["BLOCK_N"])](
             *dynamic, *s.args, **s.constexprs)
         return
-    if key is not None and not _hooked():
+    if key is not None and not _uncached():
         device = torch.cuda.current_device() if not env.INTERPRET else -1
         full_key = (kernel, device, key)
         entry = _CACHE.get(full_key)
@@ -264,7 +258,8 @@ def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, c
         return
     device = torch.cuda.current_device() if not env.INTERPRET else -1
     full_key = (kernel, device, key)
-    entry = _CACHE.get(full_key) if not _hooked() else None
+    uncached = _uncached()
+    entry = _CACHE.get(full_key) if not uncached else None
     if entry is not None:
         if env.INTERPRET or env.debug_checks():
             _check(kernel, entry, dynamic, static_args, constexprs, grid)
@@ -272,6 +267,8 @@ def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, c
         return
     options = {"num_warps": num_warps}
     compiled = kernel[grid](*dynamic, *static_args, **constexprs, **options)
+    if uncached:
+        return
     _remember(full_key, kernel, None if env.INTERPRET else compiled, grid, dynamic, static_args, constexprs,
               constexprs, options)
 
@@ -284,7 +281,7 @@ def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_ar
         del _CACHE[next(iter(_CACHE))]
     names = kernel.arg_names[len(dynamic) + len(static_args):]
     _CACHE[full_key] = _Entry(compiled, grid, (*static_args, *(constexprs[n] for n in names)), options, static_args,
-                              checked_constexprs, _specialisation(dynamic))
+                              checked_constexprs, triton_internals.specialisation(dynamic))
 
 
 def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:
@@ -298,9 +295,10 @@ def _check(kernel, entry: _Entry, dynamic: tuple, args: tuple, constexprs: dict,
         raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the static arguments: cached "
                              f"{entry.args}, {entry.constexprs}, grid {entry.grid}; now {args}, {constexprs}, "
                              f"grid {grid}")
-    if _specialisation(dynamic) != entry.spec:
+    spec = triton_internals.specialisation(dynamic)
+    if spec != entry.spec:
         raise AssertionError(f"{kernel.__name__}: launch cache key does not determine the specialisation of the "
-                             f"dynamic arguments: cached {entry.spec}, now {_specialisation(dynamic)}")
+                             f"dynamic arguments: cached {entry.spec}, now {spec}")
 
 
 def _launch_cached(kernel, device: int, entry: _Entry, dynamic: tuple) -> None:
@@ -308,9 +306,7 @@ def _launch_cached(kernel, device: int, entry: _Entry, dynamic: tuple) -> None:
     if c is None:  # the interpreter: the same arguments, in the same order, through Triton
         kernel[entry.grid](*dynamic, *entry.tail, **entry.options)
         return
-    # What JITFunction.run does once it has found the compiled kernel, minus the launch hooks (_hooked).
-    c.run(*entry.grid, driver.active.get_current_stream(device), c.function, c.packed_metadata, None, None, None,
-          *dynamic, *entry.tail)
+    triton_internals.launch_compiled(c, entry.grid, device, (*dynamic, *entry.tail))
 
 
 def cache_info() -> int:
