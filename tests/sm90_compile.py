@@ -45,7 +45,8 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import flashtile  # noqa: E402
 from flashtile.config import TABLE  # noqa: E402
-from flashtile.ops.decode import DECODE_TABLE, decode_config, packed_tile  # noqa: E402
+from flashtile.config import DECODE_TABLE, decode_config  # noqa: E402
+from flashtile.ops.decode import packed_tile  # noqa: E402
 from flashtile.ops.launch import capture_launches  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block can use

@@ -8,7 +8,7 @@ import torch
 
 import flashtile
 from flashtile.ops import hopper
-from flashtile.ops.common import pdl_supported
+from flashtile.ops.device import pdl_supported
 from flashtile.ops.hopper import hopper_unsupported
 from test_attention import MASKS, run_case
 from test_varlen import run_varlen
@@ -162,7 +162,7 @@ HOPPER_VARLEN = {"mixed": ([700, 0, 129, 1, 2048, 65], [700, 0, 129, 1, 2048, 65
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_hopper_varlen(device, monkeypatch, lengths, mask, programs):
     """Varlen batches through the Gluon kernels (descriptors over the packed tensors, Note [varlen descriptors];
-    the tile list of ops/common.varlen_plan) against the per-sequence fp64 oracle, on NaN-guarded inputs. The
+    the tile list of ops/schedule.varlen_plan) against the per-sequence fp64 oracle, on NaN-guarded inputs. The
     persistent kernels (Notes [persistent varlen forward], [persistent varlen dQ] and [persistent varlen dK/dV]) also
     run on 3 programs, each of which then works through items of every length, its ring and its two buffer sets
     running on from one item to the next."""

@@ -9,7 +9,7 @@ import torch
 
 import flashtile
 from flashtile.ops import launch as launch_module
-from flashtile.ops.common import pdl_supported
+from flashtile.ops.device import pdl_supported
 from flashtile.testing import attention_ref, check_close
 from test_attention import run_case
 from test_varlen import run_varlen

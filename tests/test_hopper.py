@@ -76,7 +76,7 @@ def test_kernel_paths_validates_like_the_api():
 def _captured_launch(monkeypatch, device, which, varlen):
     """The arguments ops/hopper.py would launch its Gluon kernel with (nothing is launched; a varlen batch's tile
     list is written, on the test device)."""
-    from flashtile.ops.common import varlen_plan
+    from flashtile.ops.schedule import varlen_plan
 
     calls = []
     monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:

@@ -18,7 +18,9 @@ import torch
 import flashtile.kvcache as kvcache
 from conftest import DEVICE
 from flashtile.ops import decode as decode_ops
+from flashtile.config import decode_config
 from flashtile.ops.common import fast_divisor
+from flashtile.ops.device import sm_count
 from flashtile.testing import attention_ref, check_close
 
 NAN = float("nan")
@@ -261,8 +263,8 @@ def test_num_splits_agree():
     case = dict(dtype=torch.float32, batch=1, nheads_kv=1, nheads=2, seqlens=(121,), capacity=128, seqlen_q=2,
                 seqlen_new=2, causal=True, seed=3)
     if DEVICE == "cpu":  # auto must really split here, or the comparison below proves nothing about it
-        assert decode_ops.auto_num_splits(1, 128 // decode_ops.decode_config(32).block_n,
-                                          decode_ops.sm_count(torch.device(DEVICE))) > 1
+        assert decode_ops.auto_num_splits(1, 128 // decode_config(32).block_n,
+                                          sm_count(torch.device(DEVICE))) > 1
     results = [run_case(num_splits=n, **case)[:2] for n in (1, 3, 13, 0)]
     for out, lse in results[1:]:
         torch.testing.assert_close(out, results[0][0], atol=1e-6, rtol=1e-5)

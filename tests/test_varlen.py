@@ -279,7 +279,7 @@ def test_max_seqlen_is_not_needed(device, monkeypatch):
 
 def test_schedule_is_longest_first(device):
     from flashtile.kernels.seqlen import MAX_SORT
-    from flashtile.ops.common import varlen_plan
+    from flashtile.ops.schedule import varlen_plan
 
     def schedule(*args):
         return varlen_plan(*args).schedule
@@ -325,7 +325,7 @@ def test_tile_list(device, monkeypatch, many, last_first):
     and the plan's written-out lists (for the Gluon kernels and the dQ kernel: each sequence's last tile first, and
     first tile first) agree; the plan's work counters are zeroed."""
     from flashtile.kernels.seqlen import MAX_STEP
-    from flashtile.ops.common import schedule_step, tile_grid, varlen_plan
+    from flashtile.ops.schedule import schedule_step, tile_grid, varlen_plan
     batch, block, heads = MAX_STEP + 77 if many else 20, 4, 2
     lengths = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(19))
     lengths[torch.tensor([5, 11, batch - 7])] = torch.tensor([9, 30, 13])
@@ -381,7 +381,7 @@ def test_tile_list(device, monkeypatch, many, last_first):
 def test_plan_lists_merge_only_lists_of_one_block():
     """One plan holds the first wanted list and the later ones of its block (0: a kernel walking the schedule);
     a list of another block is left to a plan of its own."""
-    from flashtile.ops.common import plan_lists
+    from flashtile.ops.schedule import plan_lists
     assert plan_lists((0, False)) == (0, False, False)
     assert plan_lists((128, False)) == (128, True, False)
     assert plan_lists((0, False), (32, False), (0, True)) == (32, True, False)  # Triton forward, dQ, Triton dK/dV
@@ -798,7 +798,7 @@ def test_gpu_more_than_2_31_elements(device, large_gpu_memory):
 @pytest.mark.gpu
 def test_gpu_tile_list_past_the_grid_y_limit(device, large_gpu_memory):
     """66,000 sequences of 128 tokens (8.4M, one head of 128): the Gluon kernels' tile lists have more entries than
-    a grid's y axis takes (65,535) and fold into z (ops/common.tile_grid). The first and last sequences, forward
+    a grid's y axis takes (65,535) and fold into z (ops/schedule.tile_grid). The first and last sequences, forward
     and backward, against the fp64 reference: the last one's tiles are in the second fold."""
     seqs, n, nheads, head_dim = 66000, 128, 1, 128
     total = seqs * n

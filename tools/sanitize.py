@@ -8,8 +8,8 @@ Covers the Triton and the Gluon (sm_90) kernels: dense forward+backward at head 
 through the persistent Gluon kernels (one query per sequence among them) and the Triton ones; paged varlen;
 KV-cache decode with append, rotary and pages; combine. --small halves the shapes (racecheck is slow); --only
 runs some of the sections (dense, varlen, paged, kvcache, combine) and --head-dims some of the dense and varlen
-head dims, and --forward runs no backward, so that a sanitizer's report can be narrowed to one kernel. Prints one line per call; the sanitizer's
-own report says what it found.
+head dims, and --forward runs no backward, so that a sanitizer's report can be narrowed to one kernel. Prints one
+line per call; the sanitizer's own report says what it found.
 """
 
 import argparse

@@ -19,6 +19,7 @@ import torch
 import triton
 
 import flashtile
+from flashtile import config
 from flashtile.ops import decode as decode_ops
 
 CASES = [(2, 131072), (8, 32768), (64, 4096)]
@@ -60,7 +61,7 @@ def sweep_splits(json_path):
     for batch in (2, 4, 8, 16, 32, 64):
         seqlen = 262144 // batch
         units = batch * 8
-        auto = decode_ops.auto_num_splits(units, seqlen // decode_ops.DECODE_TABLE[128].block_n, sms)
+        auto = decode_ops.auto_num_splits(units, seqlen // config.DECODE_TABLE[128].block_n, sms)
         for page in (0, 16, 256):
             inputs = _inputs(batch, seqlen, page)
             line = []
@@ -85,7 +86,7 @@ def main():
     args = ap.parse_args()
     if args.splits:
         return sweep_splits(args.json)
-    base = decode_ops.DECODE_TABLE[128]
+    base = config.DECODE_TABLE[128]
     settings = [("table", {}, {})]
     for bn in (32, 128):
         settings.append((f"block_n={bn}", {"block_n": bn}, {}))
@@ -101,7 +102,7 @@ def main():
     header = "setting              " + "  ".join(f"b{b}x{s // 1024}k/p{p:<3d}" for b, s in CASES for p in PAGES)
     print(header)
     for name, tile, module in settings:
-        decode_ops.DECODE_TABLE[128] = dataclasses.replace(base, **tile)
+        config.DECODE_TABLE[128] = dataclasses.replace(base, **tile)
         for key, value in dict(defaults, **module).items():
             setattr(decode_ops, key, value)
         speeds = []
@@ -114,7 +115,7 @@ def main():
                     speeds.append(float("nan"))
                 rows.append(dict(setting=name, batch=b, seqlen=s, page_size=p, tbps=speeds[-1]))
         print(f"{name:20s} " + "  ".join(f"{x:12.2f}" for x in speeds), flush=True)
-    decode_ops.DECODE_TABLE[128] = base
+    config.DECODE_TABLE[128] = base
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), base=dataclasses.asdict(base), rows=rows), f, indent=1)

@@ -140,3 +140,30 @@ def tile_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
     if fp32 and d in FP32[kernel]:
         return FP32[kernel][d]
     return TABLE[kernel][d]
+
+
+# The decode kernel's tiles (kernels/decode.py, ops/decode.py).
+_GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
+_TUNED = "measured on H200, 2026-11-29, triton 3.6, tools/tune_decode.py"
+_SCALED = "d128's measured tile scaled to the same K/V bytes per stage, not measured"
+
+# Padded head dim -> decode tile config. block_m is the most packed query rows (GQA group x tokens) per tile: a
+# decode step packs fewer, and the launcher shrinks BLOCK_M to the next power of two >= 16 of what it packs.
+# Decode streams K/V: the tile sets the bytes each load moves and, through shared memory, how many programs an
+# SM holds (d128: a 16 KB K+V stage at 32 rows, ~38 KB of shared memory per program for one token's GQA group).
+# Measured at d128 (tools/tune_decode.py): 32-row tiles read 4.07 / 3.93 / 4.08 TB/s on 2 x 128k tokens
+# (contiguous / 16-token pages / 256-token pages) against 3.61 / 2.82 / 3.41 with 64 rows, and won 6 of 9
+# corners; they lost on 8 x 32k paged (3.04 / 2.94 against 3.24 / 3.78), a case then launched in 1.09 waves
+# (see the split heuristic in ops/decode.py).
+DECODE_TABLE: dict[int, TileConfig] = {
+    16: TileConfig(64, 128, 4, 3, _GUESS),
+    32: TileConfig(64, 128, 4, 3, _GUESS),
+    64: TileConfig(64, 64, 4, 3, _SCALED),
+    128: TileConfig(64, 32, 4, 3, _TUNED),
+    256: TileConfig(32, 32, 8, 3, _GUESS),
+}
+DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    return DECODE_INTERPRETER if env.INTERPRET else DECODE_TABLE[block_d(head_dim)]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops.common import call, graph_capturing
+from .ops.common import call
+from .ops.device import graph_capturing
 from .ops.decode import append_kv, capacity, decode
 from .ops.decode import combine as _combine_op
 from .problem import (MAX_HEAD_DIM, check_alibi, check_grid_limits, check_index, check_scalar_args, check_tensor,

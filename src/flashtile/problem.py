@@ -28,7 +28,7 @@ from . import env
 
 MAX_HEAD_DIM = 256
 # CUDA's limit on a grid's y and z dimensions, where the dense kernels put the heads and the batch (a varlen batch's
-# grid folds its tile list past it: ops/common.tile_grid).
+# grid folds its tile list past it: ops/schedule.tile_grid).
 MAX_GRID_YZ = 65535
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -12,7 +12,7 @@ then never turns its value into a constant, but still marks a multiple of 16 as 
 compiles exactly as before (sm_90 SASS instruction for instruction the same, tests/sm90_compile.py's scenarios at
 lengths that are multiples of 16). `do_not_specialize` would also drop the divisibility, and the Triton backward
 ran 6-9% slower without it (H200, d64). The strides of the data tensors stay unannotated, and the prefill
-launchers pass a size-1 dimension's stride as its contiguous one (ops/common.kernel_strides), so none of them is 1
+launchers pass a size-1 dimension's stride as its contiguous one (ops/descriptors.kernel_strides), so none of them is 1
 either. The decode kernels keep Triton's specialisation: a decode step's single query token as a constant is what their
 tiles were measured on, and no crash was seen there; the CPU compile check builds the specialisations its decode
 scenarios launch, ones included, and fails a prefill kernel with an integer turned into a constant.

@@ -345,7 +345,7 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     rows, Hk, B), and DK_PTR, DV_PTR, TILES, CU_SEQLENS, COUNTER, the dK/dV strides, n_items and heads are unused.
     Varlen: over the packed (total, H, D) tensors, whose seqlen_q/k are the totals; the grid is one program per SM
     (at most n_items), persistent over the n_items = heads x tile-list entries work items (Note [persistent varlen
-    dK/dV]): TILES holds the (sequence, key tile) list (ops/common.varlen_plan: ordered by each sequence's queries,
+    dK/dV]): TILES holds the (sequence, key tile) list (ops/schedule.varlen_plan: ordered by each sequence's queries,
     ops/bwd.py, and within one the first key tile first), COUNTER the items handed out so far (0 at launch). DK_PTR
     and DV_PTR are dK's and dV's tensors, for a sequence's last key tile.
 

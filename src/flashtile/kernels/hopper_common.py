@@ -83,7 +83,7 @@ def dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh, BLOCK_M: 
 
 @gluon.jit
 def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
-    """The (sequence, tile) at position `index` of the written-out tile list (ops/common.varlen_plan), whether the
+    """The (sequence, tile) at position `index` of the written-out tile list (ops/schedule.varlen_plan), whether the
     list has one there, and its sequence's query and key rows: (b, tile, valid, q_row0, seqlen_q, k_row0,
     seqlen_k), the rows where the sequence starts in the packed tensors, 32-bit as TMA coordinates are (a packed
     tensor's row count is far below 2^31; element offsets are widened where they are formed). Entries past the list
@@ -108,7 +108,7 @@ def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROW
               LAST_FIRST: gl.constexpr, KEY_TILES: gl.constexpr):
     """Work item w of a persistent varlen kernel (the forward's Note [persistent varlen forward]): the items of one
     sequence are its heads x tiles, tiles fastest, and occupy items [first * heads, (first + n) * heads) when the
-    tile list (ops/common.varlen_plan) holds the sequence's n tiles of ROWS rows at entries [first, first + n),
+    tile list (ops/schedule.varlen_plan) holds the sequence's n tiles of ROWS rows at entries [first, first + n),
     the last tile first if LAST_FIRST. Entry w // heads lies in that run, so it names the sequence; where in the run
     it lies gives `first`. The tiles are query tiles, or key tiles if KEY_TILES. Returns (valid, b, h, tile,
     q_row0, seqlen_q, k_row0, seqlen_k), varlen_program's values for the entry; valid is false past the list."""

@@ -30,7 +30,7 @@ dK/dV loader does for Q and dO.
 Note [persistent varlen dQ]: the forward's and dK/dV's persistence (Notes [persistent varlen forward] in
 hopper_fwd.py and [persistent varlen dK/dV] in hopper_bwd.py) for the dQ pass. One program per SM takes (sequence,
 head, query tile) items from a work counter over the plan's last-first list of 2 x BLOCK_M-row tiles (the
-forward's list; counters[2] of ops/common.Plan); two sets of Q/dO buffers, item r in set r % 2, so that the next
+forward's list; counters[2] of ops/schedule.Plan); two sets of Q/dO buffers, item r in set r % 2, so that the next
 item's Q and dO load under the current one's key blocks; the loader describes each item in shared memory
 (hopper_common.publish_item); the K/V ring runs on from item to item. A consumer stages dQ in its Q buffer and
 leaves the store in flight; at its next item it waits for that store and hands the set back (`q_free`). What it

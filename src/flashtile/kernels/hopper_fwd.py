@@ -386,7 +386,7 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
     2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides, TILES, CU_SEQLENS, COUNTER, n_items and heads
     unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is
     one program per SM (at most n_items), persistent over the n_items = heads x tile-list entries work items
-    (Note [persistent varlen forward]): TILES holds the (sequence, tile) list (ops/common.varlen_plan: longest
+    (Note [persistent varlen forward]): TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
     sequences first, and within one the last tile first), COUNTER the items handed out so far (0 at launch: the
     list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence.
 

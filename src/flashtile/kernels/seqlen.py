@@ -144,14 +144,14 @@ def tile_coords(SCHEDULE, batch, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, 
 
     Dense grid (tiles, heads, B): (program_id(2), program_id(0), program_id(1)), the tile counted from the last if
     LAST_FIRST. Varlen grid (heads, tile list) with the heads fastest (Note [varlen grid order] in hopper_fwd.py),
-    the list folded into z past y's limit (ops/common.tile_grid): program (h, y, z) is position z * Y + y in the
+    the list folded into z past y's limit (ops/schedule.tile_grid): program (h, y, z) is position z * Y + y in the
     tile list (Note [varlen tile list]), found by walking SCHEDULE, (2, batch) int32, the sequences in launch order
-    and their tiled lengths, STEP sequences at a time (ops/common.schedule_step sizes it by the batch: a prefix sum
+    and their tiled lengths, STEP sequences at a time (ops/schedule.schedule_step sizes it by the batch: a prefix sum
     1024 wide for 16 sequences made the causal dQ kernel 2-4% slower). Within a sequence the tiles
     come last first if LAST_FIRST. A program past the list gets sequence 0 and a tile index past any sequence's
     end, so its end-of-sequence check exits it.
 
-    LISTED: SCHEDULE is instead that list written out for this BLOCK and LAST_FIRST (ops/common.varlen_plan), and
+    LISTED: SCHEDULE is instead that list written out for this BLOCK and LAST_FIRST (ops/schedule.varlen_plan), and
     the program reads its entry: one load in place of the walk's prefix sums, which cost the varlen dQ kernel
     registers (ptxas: 213 against 197 listed, dense 176) and 4-6% of its time.
     """
@@ -197,7 +197,7 @@ def _plan_kernel(CU_TILED, SEQUSED_TILED, CU_COST, SEQUSED_COST, SCHEDULE, LAST_
                  COUNTERS, batch: tl.int32, bound_tiled: tl.int32, bound_cost: tl.int32, entries: tl.int32,
                  BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
                  HAS_SEQUSED_TILED: tl.constexpr, HAS_SEQUSED_COST: tl.constexpr, COST_PACKED: tl.constexpr):
-    """A varlen call's plan (ops/common.varlen_plan), in one launch: SCHEDULE, (2, batch), the sequences in launch
+    """A varlen call's plan (ops/schedule.varlen_plan), in one launch: SCHEDULE, (2, batch), the sequences in launch
     order and their tiled lengths (Notes [varlen tile list] and [longest sequences first]); with BLOCK > 0 the
     tile list of BLOCK-row tiles in that order, written out, each sequence's last tile first (LAST_FIRST_LIST) or
     first tile first (FIRST_FIRST_LIST), whichever are not None, then (-1, -1) up to `entries`; and COUNTERS, four

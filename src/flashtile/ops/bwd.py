@@ -5,7 +5,7 @@ Grids: dQ is (query tiles, query heads, sequences), like the forward; dK/dV is (
 and each program loops over its GQA group, so nothing is reduced across programs and the result is bitwise
 reproducible. Varlen batches get the forward's tile lists and heads-first grids (kernels/seqlen.py): dQ tiles
 cost in proportion to their sequence's keys and dK/dV tiles to its queries, so each list puts that side's longest
-sequences first. The Triton dQ kernel reads its tile from its list written out (ops/common.varlen_plan), the
+sequences first. The Triton dQ kernel reads its tile from its list written out (ops/schedule.varlen_plan), the
 Triton dK/dV kernel walks its schedule (seqlen.tile_coords); the Gluon ones (sm_90) are persistent over lists.
 Two launches, in that order on one stream: the Triton dK/dV kernel reads the delta the dQ kernel wrote, through
 per-(sequence, head) counters that let it start on the SMs the dQ grid's last wave leaves idle, launched with
@@ -13,7 +13,7 @@ programmatic dependent launch on sm_90 (Note [delta handoff] in kernels/bwd.py; 
 off). Packed inputs get their gradients written into one buffer of the packed
 shape.
 
-Note [one plan per step]: a varlen call's kernels read a plan (ops/common.varlen_plan: the launch order, tile lists
+Note [one plan per step]: a varlen call's kernels read a plan (ops/schedule.varlen_plan: the launch order, tile lists
 and work counters), one small launch that costs ~20 µs of host time on the H200 machine, as much as a kernel
 launch of the attention itself. A varlen forward+backward once made six of them around its three kernels
 (the forward's schedule and list, the backward's dQ list and dK/dV list, besides the kernels that read them), and
@@ -38,9 +38,10 @@ from ..config import block_d, tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (PACK_KV, PACK_QKV, Plan, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks,
-                     graph_capturing, host_desc, list_blocks, pdl_supported, plan_lists, schedule_step,
-                     self_attention, tile_grid, tma_ready, unpack, varlen_plan)
+from .common import PACK_KV, PACK_QKV, alibi_batch_stride, custom_op, unpack
+from .descriptors import bmh_strides, descriptor_blocks, host_desc, tma_ready
+from .device import graph_capturing, pdl_supported
+from .schedule import Plan, list_blocks, plan_lists, schedule_step, self_attention, tile_grid, varlen_plan
 from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_bwd_unsupported, hopper_unsupported, record

@@ -20,36 +20,15 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..config import TileConfig, block_d
+from ..config import TileConfig, block_d, decode_config
 from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import kernel_flags
-from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2, on_gpu
-from .common import sm_count as gpu_sm_count
+from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2
+from .device import sm_count
 from .launch import launch_direct, launch_opts
 from .fwd import logit_scales
-
-_GUESS = "initial guess for H200 (bandwidth-bound decode), not measured"
-_TUNED = "measured on H200, 2026-11-29, triton 3.6, tools/tune_decode.py"
-_SCALED = "d128's measured tile scaled to the same K/V bytes per stage, not measured"
-
-# Padded head dim -> decode tile config. block_m is the most packed query rows (GQA group x tokens) per tile: a
-# decode step packs fewer, and the launcher shrinks BLOCK_M to the next power of two >= 16 of what it packs.
-# Decode streams K/V: the tile sets the bytes each load moves and, through shared memory, how many programs an
-# SM holds (d128: a 16 KB K+V stage at 32 rows, ~38 KB of shared memory per program for one token's GQA group).
-# Measured at d128 (tools/tune_decode.py): 32-row tiles read 4.07 / 3.93 / 4.08 TB/s on 2 x 128k tokens
-# (contiguous / 16-token pages / 256-token pages) against 3.61 / 2.82 / 3.41 with 64 rows, and won 6 of 9
-# corners; they lost on 8 x 32k paged (3.04 / 2.94 against 3.24 / 3.78), a case then launched in 1.09 waves
-# (see the split heuristic below).
-DECODE_TABLE: dict[int, TileConfig] = {
-    16: TileConfig(64, 128, 4, 3, _GUESS),
-    32: TileConfig(64, 128, 4, 3, _GUESS),
-    64: TileConfig(64, 64, 4, 3, _SCALED),
-    128: TileConfig(64, 32, 4, 3, _TUNED),
-    256: TileConfig(32, 32, 8, 3, _GUESS),
-}
-_DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
 
 APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
 COMBINE_BLOCK_R = (4, 16)  # rows per combine program: the first while rows are too few to fill the GPU
@@ -71,20 +50,10 @@ REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
-_INTERPRETER_SMS = 4  # a pretend small GPU, so that auto-splitting engages on the interpreter's tiny shapes
 
 
 # The subset of problem.kernel_flags that the decode kernel takes (it has no varlen query and no seqused).
 _SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST", "DOT_PRECISION")
-
-
-def decode_config(head_dim: int) -> TileConfig:
-    return _DECODE_INTERPRETER if env.INTERPRET else DECODE_TABLE[block_d(head_dim)]
-
-
-def sm_count(device: torch.device) -> int:
-    """The GPU's multiprocessors (ops/common.sm_count); a pretend small GPU's under the interpreter."""
-    return gpu_sm_count(device) if on_gpu(device) else _INTERPRETER_SMS
 
 
 def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int) -> int:

@@ -22,9 +22,9 @@ from ..config import block_d, tile_config
 from ..kernels.fwd import _attn_fwd_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
-from .common import (Plan, alibi_batch_stride, bmh_strides, custom_op, descriptor_blocks, fast_divisor, host_desc,
-                     list_blocks, plan_lists, schedule_step, self_attention, tile_grid, tma_ready, unpack,
-                     varlen_plan)
+from .common import alibi_batch_stride, custom_op, fast_divisor, unpack
+from .descriptors import bmh_strides, descriptor_blocks, host_desc, tma_ready
+from .schedule import Plan, list_blocks, plan_lists, schedule_step, self_attention, tile_grid, varlen_plan
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
 from .launch import Static, head_dims, launch, prepare_launch, signature
@@ -76,7 +76,7 @@ def attention_fwd(
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, max_seqlen_q,
             max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing,
             for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[Plan]]:
-    """attention_fwd's implementation; also returns a varlen call's plan (ops/common.varlen_plan, else None). With
+    """attention_fwd's implementation; also returns a varlen call's plan (ops/schedule.varlen_plan, else None). With
     `for_backward` that plan also holds the lists the backward's kernels read where one plan can (self-attention,
     lists of one block: Note [one plan per step] in ops/bwd.py), so that the backward launches none."""
     paged = block_table is not None

@@ -14,7 +14,7 @@ The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a 
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
 box, where the persistent programs take (sequence, head, tile) items from a work counter over a list written once per
-call (common.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent varlen forward],
+call (schedule.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent varlen forward],
 [persistent varlen dQ] and [persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note
 [varlen descriptors] in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for
 the partial last tile of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
@@ -30,7 +30,9 @@ import torch
 from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
-from .common import Plan, capability, kernel_strides, on_gpu, sm_count
+from .descriptors import kernel_strides
+from .device import capability, on_gpu, sm_count
+from .schedule import Plan
 from .launch import launch_fixed, signature
 from .triton_internals import descriptor
 
@@ -118,7 +120,7 @@ def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
     shape, strides = list(t.shape), kernel_strides(t)
     box = (*(1,) * (t.dim() - 3), rows, 1, shape[-1])
-    # Without the dataclass's checks where Triton allows, as common.host_desc.
+    # Without the dataclass's checks where Triton allows, as descriptors.host_desc.
     return descriptor(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=list(box),
                       layout=_layout(box, t.dtype), padding="zero")
 

@@ -250,7 +250,7 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
 def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
                  num_warps: int) -> None:
     """Launch `kernel[grid](*dynamic, *static_args, **constexprs)` whose tile is already in `constexprs` (the Gluon
-    kernels: ops/hopper.py; the varlen schedule and tile list: ops/common.py), through the launch cache: `key`
+    kernels: ops/hopper.py; the varlen schedule and tile list: ops/schedule.py), through the launch cache: `key`
     must determine grid, static_args and constexprs."""
     if _capture.launches is not None:
         _capture.launches.append(Launch(kernel, tuple(grid), (*dynamic, *static_args),

@@ -11,7 +11,7 @@ with four shortcuts, each the same thing Triton would do a slower way:
 - `launch_hooked`: whether a profiler (proton, for one) has put a launch hook into knobs.runtime's hook chains, in
   which case launches go through Triton, which calls the hooks;
 - `descriptor`: a host TMA descriptor (Triton's or Gluon's TensorDescriptor) built without its dataclass checks,
-  which repeat what ops/common.tma_ready and the tile table guarantee (3 µs a descriptor on the H200 machine).
+  which repeat what ops/descriptors.tma_ready and the tile table guarantee (3 µs a descriptor on the H200 machine).
 
 Note [triton internals probe]: at import, `_probe` checks that the installed Triton is one these shortcuts are
 tested with (TESTED: the range pyproject.toml allows) and that each internal still has the shape used here. If
@@ -20,7 +20,7 @@ every time and descriptors are built by their constructors, so flashtile still w
 host time per call. FLASHTILE_FAST_LAUNCH=0 takes the same fallback (tests/test_launch.py runs the CPU tier's
 launches that way).
 
-What this module does not do: decide what is cached (ops/launch.py) or build descriptors' shapes (ops/common.py,
+What this module does not do: decide what is cached (ops/launch.py) or build descriptors' shapes (ops/descriptors.py,
 ops/hopper.py).
 """
 
