@@ -7,6 +7,7 @@ No kernel code and no argument checking here.
 """
 
 import functools
+import inspect
 
 import torch
 from torch.autograd import forward_ad
@@ -15,34 +16,50 @@ from .ops.bwd import attention_bwd, backward
 from .ops.common import PACK_KV, PACK_QKV, untraced
 from .ops.fwd import attention_fwd, forward
 
-# q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table
-_N_TENSOR_INPUTS = 9
+def _parameters(op) -> tuple[str, ...]:
+    return tuple(inspect.signature(op.impl).parameters)
+
+
+# The forward op's inputs by name, from its own signature: the tensors (saved for the backward) are the parameters
+# annotated as tensors, the rest scalars; the gradients go to DIFFERENTIABLE. The backward op is called by name
+# from those, the forward's outputs and dout, so an input added to both ops' signatures needs no edit here.
+FWD_INPUTS = _parameters(attention_fwd)
+_TENSORS = tuple(i for i, name in enumerate(FWD_INPUTS)
+                 if "Tensor" in str(inspect.signature(attention_fwd.impl).parameters[name].annotation))
+_SCALARS = tuple(i for i in range(len(FWD_INPUTS)) if i not in _TENSORS)
+DIFFERENTIABLE = ("q", "k", "v")
+_GRAD_SLOTS = tuple(FWD_INPUTS.index(name) for name in DIFFERENTIABLE)
+_BWD_INPUTS = _parameters(attention_bwd)
 
 
 def _setup_context(ctx, inputs, output):
     out, lse = output
-    ctx.save_for_backward(*inputs[:_N_TENSOR_INPUTS], out, lse)
-    ctx.scalars = inputs[_N_TENSOR_INPUTS:]
+    ctx.save_for_backward(*(inputs[i] for i in _TENSORS), out, lse)
+    ctx.scalars = tuple(inputs[i] for i in _SCALARS)
     ctx.mark_non_differentiable(lse)
 
 
 def _gradients(ctx, dout, bwd):
-    q, k, v, cu_q, cu_k, used_q, used_k, alibi, block_table, out, lse = ctx.saved_tensors
-    if block_table is not None:
+    *saved, out, lse = ctx.saved_tensors
+    given = dict(zip((FWD_INPUTS[i] for i in _TENSORS), saved)) | dict(zip((FWD_INPUTS[i] for i in _SCALARS),
+                                                                           ctx.scalars))
+    if given["block_table"] is not None:
         raise NotImplementedError(
             "flashtile has no backward through a paged KV cache (block_table): paged K/V is an inference feature. "
             "Run the forward under torch.no_grad(), or pass contiguous k and v to get gradients.")
-    packing = ctx.scalars[-1]
     if dout is None:  # no gradient reached out (the eager route does not materialise one: see its forward)
         dout = torch.zeros_like(out)
-    grads = bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi, *ctx.scalars)
+    given.update(dout=dout, out=out, lse=lse)
+    grads = bwd(*(given[name] for name in _BWD_INPUTS))
+    packing = given["packing"]
     if packing == PACK_QKV:
-        dq, dk, dv = grads[0], None, None
+        grads = (grads[0], None, None)
     elif packing == PACK_KV:
-        (dq, dk), dv = grads, None
-    else:
-        dq, dk, dv = grads
-    return (dq, dk, dv) + (None,) * (_N_TENSOR_INPUTS - 3 + len(ctx.scalars))
+        grads = (*grads, None)
+    result = [None] * len(FWD_INPUTS)
+    for slot, grad in zip(_GRAD_SLOTS, grads):
+        result[slot] = grad
+    return tuple(result)
 
 
 def _backward(ctx, dout, _dlse):
@@ -79,16 +96,17 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def attention(*inputs):
-    """(out, lse) of flashtile::fwd's arguments, differentiable in q, k and v."""
+    """(out, lse) of flashtile::fwd's arguments, differentiable in DIFFERENTIABLE (q, k and v)."""
     if untraced(inputs):
         # Tangents exist only inside a forward-AD dual level (-1 outside any).
+        differentiable = [inputs[i] for i in _GRAD_SLOTS]
         if forward_ad._current_level >= 0 and any(
-                t is not None and forward_ad.unpack_dual(t).tangent is not None for t in inputs[:3]):
+                t is not None and forward_ad.unpack_dual(t).tangent is not None for t in differentiable):
             raise NotImplementedError("flashtile has no forward-mode AD (jvp): q, k and v must not be dual "
                                       "tensors (torch.autograd.forward_ad)")
         # autograd.Function.apply is about a fifth of an eager forward's Python time (measured on the CPU): skip
         # it when no gradient can flow (inference, torch.no_grad).
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:3]):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
             return _EagerAttention.apply(*inputs)
         return attention_fwd.impl(*inputs)
     return attention_fwd(*inputs)
