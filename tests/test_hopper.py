@@ -11,6 +11,7 @@ import flashtile
 from flashtile import env
 from flashtile.config import HOPPER
 from flashtile.ops import hopper
+from flashtile.ops import launch as launch_module
 
 CUDA = torch.device("cuda", 0)
 
@@ -79,8 +80,10 @@ def _captured_launch(monkeypatch, device, which, varlen):
     from flashtile.ops.schedule import varlen_plan
 
     calls = []
-    monkeypatch.setattr(hopper, "launch_fixed", lambda kernel, key, grid, dynamic, static, constexprs, num_warps:
-                        calls.append((kernel, grid, dynamic, static, constexprs)))
+    def record(kernel, grid, dynamic, static, constexprs, num_warps):  # ordered from the kernel's parameters
+        calls.append((kernel, grid, *launch_module._order(kernel, dynamic, static, constexprs), constexprs))
+
+    monkeypatch.setattr(hopper, "launch_named", record)
     monkeypatch.setattr(hopper, "sm_count", lambda device: 7)  # fewer SMs than the persistent kernels' items
     lens_q, lens_k = [100, 0, 37], [130, 5, 37]
     pads = iter(range(8, 200, 8))

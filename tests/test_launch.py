@@ -161,3 +161,19 @@ def test_without_the_shortcuts_every_launch_goes_through_triton(device, monkeypa
     assert torch.equal(fast, slow)
     for a, b in zip(fast_grads, slow_grads):
         assert torch.equal(a, b)
+
+
+def test_named_arguments_are_checked_against_the_kernel():
+    """launch_named orders arguments from the kernel's parameter list and refuses a missing, extra or misplaced
+    name, naming the kernel's parameters."""
+    from flashtile.kernels.seqlen import _plan_kernel
+
+    names = _plan_kernel.arg_names
+    dynamic = {n: None for n in names[:8]}
+    static = {n: 0 for n in names[8:12]}
+    constexprs = {n: 0 for n in names[12:]}
+    d, s = launch._order(_plan_kernel, dict(reversed(dynamic.items())), static, constexprs)
+    assert d == tuple(dynamic.values()) and s == tuple(static.values())
+    for broken in ({**static, "extra": 1}, {n: 0 for n in names[8:11]}, {**static, names[0]: 0}):
+        with pytest.raises(TypeError, match="_plan_kernel takes"):
+            launch._order(_plan_kernel, dynamic, broken, constexprs)

@@ -33,7 +33,7 @@ from ..problem import kernel_flags
 from .descriptors import kernel_strides
 from .device import capability, on_gpu, sm_count
 from .schedule import Plan
-from .launch import launch_fixed, signature
+from .launch import launch_named
 from .triton_internals import descriptor
 
 try:
@@ -140,29 +140,27 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py)."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
-    constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
-    # The launch key: what the grid, the integer arguments, the constexprs and the descriptors' boxes and
-    # specialisation derive from (out and lse are fresh allocations whose layout q's shape fixes).
-    key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
-    descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(out, cfg.block_m))
-    if cu_seqlens_q is not None:
-        programs = sm_count(q.device)
-        key += (programs,)
-    if cu_seqlens_q is None:
+    varlen = cu_seqlens_q is not None
+    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
+                   O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse,
+                   TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
+                   COUNTER=plan.counters[0] if varlen else None, qk_scale=qk_scale)
+    if not varlen:
         batch, seqlen_q = q.shape[:2]
         grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
-        dynamic = (*descs, None, lse, None, None, None, None, qk_scale)
-        static = (lse.stride(0), lse.stride(1), seqlen_q, k.shape[1], window_left, window_right, 0, 0, 0, 0)
+        static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+                      wl=window_left, wr=window_right, stride_om=0, stride_oh=0, n_items=0, heads=0)
     else:
         # Persistent (Note [persistent varlen forward] in kernels/hopper_fwd.py): one program per SM over the
         # (tile list entry, head) items; the plan's writer zeroed the work counter.
         assert plan.has(2 * cfg.block_m, 0)
         n_items = plan.last_first.shape[0] * nheads
-        grid = (min(n_items, programs), 1, 1)
-        dynamic = (*descs, out, lse, plan.last_first, cu_seqlens_q, cu_seqlens_k, plan.counters[0], qk_scale)
-        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *out.stride()[:2], n_items,
-                  nheads)
-    launch_fixed(_hopper_fwd_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
+        grid = (min(n_items, sm_count(q.device)), 1, 1)
+        static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
+                      wl=window_left, wr=window_right, stride_om=out.stride(0), stride_oh=out.stride(1),
+                      n_items=n_items, heads=nheads)
+    launch_named(_hopper_fwd_kernel, grid, dynamic, static,
+                 _constexprs(cfg, q, k, window_left, window_right, varlen), num_warps=4)
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
@@ -171,28 +169,29 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
     (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
-    descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
-             _desc(dq, cfg.block_m))
-    constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
-    key = (signature(q, k, v, dout, dq, out, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
-    if cu_seqlens_q is None:
+    varlen = cu_seqlens_q is not None
+    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
+                   DO=_desc(dout, cfg.block_m), DQ=_desc(dq, cfg.block_m), DQ_PTR=dq if varlen else None, OUT=out,
+                   LSE=lse, DELTA=delta, TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
+                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[2] if varlen else None, qk_scale=qk_scale,
+                   softmax_scale=softmax_scale)
+    if not varlen:
         batch, seqlen_q = q.shape[:2]
         grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
-        dynamic = (*descs, None, out, lse, delta, None, None, None, None, qk_scale, softmax_scale)
-        static = (lse.stride(0), lse.stride(1), *out.stride()[:3], seqlen_q, k.shape[1], window_left,
-                  window_right, 0, 0, 0, 0)
+        static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ob=out.stride(0),
+                      stride_om=out.stride(1), stride_oh=out.stride(2), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+                      wl=window_left, wr=window_right, stride_dqm=0, stride_dqh=0, n_items=0, heads=0)
     else:
         # Persistent (Note [persistent varlen dQ] in kernels/hopper_dq.py), as the forward, on the same list.
-        programs = sm_count(q.device)
-        key += (programs,)
         assert plan.has(2 * cfg.block_m, 0)
         n_items = plan.last_first.shape[0] * nheads
-        grid = (min(n_items, programs), 1, 1)
-        dynamic = (*descs, dq, out, lse, delta, plan.last_first, cu_seqlens_q, cu_seqlens_k, plan.counters[2],
-                   qk_scale, softmax_scale)
-        static = (0, lse.stride(0), 0, *out.stride()[:2], q.shape[0], k.shape[0], window_left, window_right,
-                  *dq.stride()[:2], n_items, nheads)
-    launch_fixed(_hopper_dq_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
+        grid = (min(n_items, sm_count(q.device)), 1, 1)
+        static = dict(stride_lb=0, stride_lh=lse.stride(0), stride_ob=0, stride_om=out.stride(0),
+                      stride_oh=out.stride(1), seqlen_q=q.shape[0], seqlen_k=k.shape[0], wl=window_left,
+                      wr=window_right, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1), n_items=n_items,
+                      heads=nheads)
+    launch_named(_hopper_dq_kernel, grid, dynamic, static,
+                 _constexprs(cfg, q, k, window_left, window_right, varlen), num_warps=4)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
@@ -201,26 +200,27 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
     plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py)."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
-    descs = (_desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(dout, cfg.block_m),
-             _desc(dk, cfg.block_n), _desc(dv, cfg.block_n))
-    constexprs = _constexprs(cfg, q, k, window_left, window_right, cu_seqlens_q is not None)
-    key = (signature(q, k, v, dout, dk, dv, lse, cu_seqlens_q, cu_seqlens_k), window_left, window_right)
-    if cu_seqlens_q is None:
+    varlen = cu_seqlens_q is not None
+    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
+                   DO=_desc(dout, cfg.block_m), DK=_desc(dk, cfg.block_n), DV=_desc(dv, cfg.block_n),
+                   DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None, LSE=lse, DELTA=delta,
+                   TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
+                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else None, qk_scale=qk_scale,
+                   softmax_scale=softmax_scale)
+    if not varlen:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
         grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
-        dynamic = (*descs, None, None, lse, delta, None, None, None, None, qk_scale, softmax_scale)
-        static = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, window_left, window_right, *(0,) * 6)
+        static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                      wl=window_left, wr=window_right, stride_dkm=0, stride_dkh=0, stride_dvm=0, stride_dvh=0,
+                      n_items=0, heads=0)
     else:
         # Persistent (Note [persistent varlen dK/dV] in kernels/hopper_bwd.py), as the forward.
-        programs = sm_count(q.device)
-        key += (programs,)
         assert plan.has(0, 2 * cfg.block_n)
         n_items = plan.first_first.shape[0] * nheads_kv
-        grid = (min(n_items, programs), 1, 1)
-        dynamic = (*descs, dk, dv, lse, delta, plan.first_first, cu_seqlens_q, cu_seqlens_k, plan.counters[1],
-                   qk_scale, softmax_scale)
-        static = (0, lse.stride(0), q.shape[0], k.shape[0], window_left, window_right, *dk.stride()[:2],
-                  *dv.stride()[:2], n_items, nheads_kv)
-    launch_fixed(_hopper_dkdv_kernel, key, grid, dynamic, static, constexprs, num_warps=4)
-
+        grid = (min(n_items, sm_count(q.device)), 1, 1)
+        static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
+                      wl=window_left, wr=window_right, stride_dkm=dk.stride(0), stride_dkh=dk.stride(1),
+                      stride_dvm=dv.stride(0), stride_dvh=dv.stride(1), n_items=n_items, heads=nheads_kv)
+    launch_named(_hopper_dkdv_kernel, grid, dynamic, static,
+                 _constexprs(cfg, q, k, window_left, window_right, varlen), num_warps=4)

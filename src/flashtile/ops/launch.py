@@ -66,16 +66,33 @@ class _Entry(NamedTuple):
     args: tuple
     constexprs: dict
     spec: tuple
+    dynamic_names: tuple  # the kernel's first parameters, the dynamic ones (launch_named takes them by name)
+    static_names: tuple
 
 
 _CACHE: dict[tuple, _Entry] = {}
 
 
+def _tensor_signature(x: torch.Tensor) -> tuple:
+    return x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
+
+
 def signature(*xs) -> tuple:
     """What a launch key needs from tensors and scalars: for a tensor its shape, strides, dtype and whether its data
-    pointer is 16-byte aligned (Triton's pointer specialisation); other values as they are."""
-    return tuple((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0) if isinstance(x, torch.Tensor) else x
-                 for x in xs)
+    pointer is 16-byte aligned (Triton's pointer specialisation); for a host TMA descriptor its tensor's, its box
+    and shared layout; for a float only its type (Triton passes floats as they are, with no specialisation); other
+    values as they are."""
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            out.append(_tensor_signature(x))
+        elif isinstance(x, float):
+            out.append(float)
+        elif hasattr(x, "block_shape") and hasattr(x, "base"):  # Triton's and Gluon's TensorDescriptor
+            out.append((_tensor_signature(x.base), tuple(x.block_shape), getattr(x, "layout", None)))
+        else:
+            out.append(x)
+    return tuple(out)
 
 
 def _uncached() -> bool:
@@ -247,30 +264,47 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
                   s.constexprs, options)
 
 
-def launch_fixed(kernel, key, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
-                 num_warps: int) -> None:
-    """Launch `kernel[grid](*dynamic, *static_args, **constexprs)` whose tile is already in `constexprs` (the Gluon
-    kernels: ops/hopper.py; the varlen schedule and tile list: ops/schedule.py), through the launch cache: `key`
-    must determine grid, static_args and constexprs."""
+def _order(kernel, dynamic: dict, static: dict, constexprs: dict) -> tuple[tuple, tuple]:
+    """(dynamic values, static values) in the kernel's parameter order, which must be dynamic's names, then
+    static's, then constexprs': anything missing, extra or out of its group raises TypeError."""
+    names = kernel.arg_names
+    n_dynamic, n_static = len(dynamic), len(static)
+    groups = ((names[:n_dynamic], dynamic), (names[n_dynamic:n_dynamic + n_static], static),
+              (names[n_dynamic + n_static:], constexprs))
+    if any(set(part) != given.keys() for part, given in groups):
+        raise TypeError(f"{kernel.__name__} takes {list(names)}; given dynamic {list(dynamic)}, static "
+                        f"{list(static)}, constexprs {list(constexprs)}")
+    return tuple(dynamic[n] for n in groups[0][0]), tuple(static[n] for n in groups[1][0])
+
+
+def launch_named(kernel, grid: tuple, dynamic: dict, static: dict, constexprs: dict, num_warps: int) -> None:
+    """Launch `kernel[grid]` whose tile is already in `constexprs` (the Gluon kernels: ops/hopper.py; the varlen
+    plan: ops/schedule.py) with its arguments by name, ordered from the kernel's own parameter list: the dynamic
+    ones (tensors, descriptors, pointers that may be None, float scalars) first, then the static integers, then
+    the constexprs. Through the launch cache, whose key is derived from the arguments themselves (the signature of
+    every dynamic value, every static value and constexpr, the grid), so it is complete by construction."""
     if _capture.launches is not None:
-        _capture.launches.append(Launch(kernel, tuple(grid), (*dynamic, *static_args),
-                                        constexprs | {"num_warps": num_warps}))
+        d, st = _order(kernel, dynamic, static, constexprs)
+        _capture.launches.append(Launch(kernel, tuple(grid), (*d, *st), constexprs | {"num_warps": num_warps}))
         return
     device = torch.cuda.current_device() if not env.INTERPRET else -1
-    full_key = (kernel, device, key)
+    # Name order is the launcher's own, fixed per call site: the values' order matches from call to call.
+    key = (kernel, device, signature(*dynamic.values()), tuple(static.values()), tuple(constexprs.values()),
+           tuple(grid), tuple(dynamic), tuple(static))
     uncached = _uncached()
-    entry = _CACHE.get(full_key) if not uncached else None
+    entry = _CACHE.get(key) if not uncached else None
     if entry is not None:
+        d = tuple(dynamic[n] for n in entry.dynamic_names)
         if env.INTERPRET or env.debug_checks():
-            _check(kernel, entry, dynamic, static_args, constexprs, grid)
-        _launch_cached(kernel, device, entry, dynamic)
+            _check(kernel, entry, d, tuple(static[n] for n in entry.static_names), constexprs, tuple(grid))
+        _launch_cached(kernel, device, entry, d)
         return
+    d, st = _order(kernel, dynamic, static, constexprs)
     options = {"num_warps": num_warps}
-    compiled = kernel[grid](*dynamic, *static_args, **constexprs, **options)
+    compiled = kernel[grid](*d, *st, **constexprs, **options)
     if uncached:
         return
-    _remember(full_key, kernel, None if env.INTERPRET else compiled, grid, dynamic, static_args, constexprs,
-              constexprs, options)
+    _remember(key, kernel, None if env.INTERPRET else compiled, tuple(grid), d, st, constexprs, constexprs, options)
 
 
 def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,
@@ -279,9 +313,12 @@ def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_ar
     parameter order), and for _check what the key should have determined."""
     if len(_CACHE) >= MAX_CACHED:
         del _CACHE[next(iter(_CACHE))]
-    names = kernel.arg_names[len(dynamic) + len(static_args):]
+    n_dynamic, n_static = len(dynamic), len(static_args)
+    names = kernel.arg_names[n_dynamic + n_static:]
     _CACHE[full_key] = _Entry(compiled, grid, (*static_args, *(constexprs[n] for n in names)), options, static_args,
-                              checked_constexprs, triton_internals.specialisation(dynamic))
+                              checked_constexprs, triton_internals.specialisation(dynamic),
+                              tuple(kernel.arg_names[:n_dynamic]),
+                              tuple(kernel.arg_names[n_dynamic:n_dynamic + n_static]))
 
 
 def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:

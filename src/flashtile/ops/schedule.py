@@ -17,7 +17,7 @@ from .. import env
 from ..config import HOPPER, tile_config
 from ..kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel
 from .common import cdiv, next_power_of_2
-from .launch import launch_fixed, signature
+from .launch import launch_named
 
 
 def schedule_step(batch: int, varlen: bool) -> int:
@@ -89,11 +89,11 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
                 next(written) if lists and last_first else None, next(written) if lists and first_first else None,
                 counters.view(4, 4) if lists else None)
     if batch + lists > 0:
-        key = (signature(cu_tiled, seqused_tiled, cu_cost, seqused_cost), bound_tiled, bound_cost, cost_packed,
-               plan.block, plan.last_first is not None, plan.first_first is not None, entries)
-        launch_fixed(_plan_kernel, key, (batch + lists, 1, 1),
-                     (cu_tiled, seqused_tiled, cu_cost, seqused_cost, plan.schedule, plan.last_first,
-                      plan.first_first, plan.counters), (batch, bound_tiled, bound_cost, entries),
+        launch_named(_plan_kernel, (batch + lists, 1, 1),
+                     dict(CU_TILED=cu_tiled, SEQUSED_TILED=seqused_tiled, CU_COST=cu_cost, SEQUSED_COST=seqused_cost,
+                          SCHEDULE=plan.schedule, LAST_FIRST_LIST=plan.last_first,
+                          FIRST_FIRST_LIST=plan.first_first, COUNTERS=plan.counters),
+                     dict(batch=batch, bound_tiled=bound_tiled, bound_cost=bound_cost, entries=entries),
                      dict(BLOCK_B=min(MAX_SORT, next_power_of_2(max(batch, 1))), BLOCK=plan.block,
                           HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
                           COST_PACKED=cost_packed), num_warps=4)
