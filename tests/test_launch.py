@@ -9,7 +9,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashtile
-import flashtile.ops.fwd
+import flashtile.ops.call
 from flashtile import env
 from flashtile.ops import launch, triton_internals
 from flashtile.testing import attention_ref, check_close
@@ -78,7 +78,7 @@ def test_an_incomplete_key_is_caught(device, monkeypatch):
     """If a launcher left something its static arguments depend on out of the key, a hit would launch with stale
     strides or lengths: the checks refuse instead."""
     monkeypatch.setattr(launch, "_CACHE", {})
-    monkeypatch.setattr(flashtile.ops.fwd, "signature", lambda *xs: "the same for every call")
+    monkeypatch.setattr(flashtile.ops.call.OpProblem, "key", lambda self: "the same for every call")
     monkeypatch.setenv("FLASHTILE_CHECK", "1")
     with torch.no_grad():
         flashtile.flash_attn_func(*_inputs(device, 4, s=40))
@@ -177,3 +177,22 @@ def test_named_arguments_are_checked_against_the_kernel():
     for broken in ({**static, "extra": 1}, {n: 0 for n in names[8:11]}, {**static, names[0]: 0}):
         with pytest.raises(TypeError, match="_plan_kernel takes"):
             launch._order(_plan_kernel, dynamic, broken, constexprs)
+
+
+def test_the_problem_key_covers_every_field(device):
+    """ops/call.OpProblem.key is derived from every field (tensors by signature), except the per-call floats that
+    the kernels take as arguments: a field added to the problem is in the key without an edit."""
+    from flashtile.ops.call import OpProblem, op_problem
+
+    q, k, v = _inputs(device, 6)
+    p = op_problem(q, k, v, None, None, None, None, None, None, 40, 40, 0.125, -1, 0, 0.0, 0)
+    tensors = OpProblem._fields[:OpProblem._fields.index("varlen")]
+    for name, value in zip(OpProblem._fields, p):
+        if name in ("softmax_scale", "softcap"):
+            base = p._replace(softcap=1.0)
+            assert base._replace(**{name: getattr(base, name) + 0.5}).key() == base.key(), name
+            continue
+        other = (torch.empty(3, 2, 1, device=device) if name in tensors else not value if isinstance(value, bool)
+                 else value + 1 if isinstance(value, int) else f"{value} changed")
+        assert p._replace(**{name: other}).key() != p.key(), name
+    assert p._replace(softcap=1.0).key() != p.key()  # softcap on or off changes the kernel

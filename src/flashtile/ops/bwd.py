@@ -38,14 +38,14 @@ from ..config import block_d, tile_config
 from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
+from .call import op_problem
 from .common import PACK_KV, PACK_QKV, alibi_batch_stride, custom_op, unpack
-from .descriptors import bmh_strides, descriptor_blocks, host_desc, tma_ready
-from .device import graph_capturing, pdl_supported
-from .schedule import Plan, list_blocks, plan_lists, schedule_step, self_attention, tile_grid, varlen_plan
+from .descriptors import bmh_strides, descriptor_blocks, host_desc
+from .schedule import Plan, list_blocks, plan_lists, schedule_step, tile_grid, varlen_plan
 from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
-from .hopper import HOPPER_PATH, TRITON, hopper_bwd_unsupported, hopper_unsupported, record
-from .launch import Static, head_dims, keep_scratch, launch, prepare_launch, signature
+from .hopper import HOPPER_PATH, TRITON, record
+from .launch import Static, head_dims, keep_scratch, launch, prepare_launch
 
 
 _DQ_BLOCKS = descriptor_blocks({"K": "BLOCK_N", "V": "BLOCK_N"})
@@ -84,9 +84,9 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     """attention_bwd's implementation. `plan`: the forward's (ops/fwd.forward), used for whatever lists of this
     backward's it holds (Note [one plan per step]); a plan may serve one backward only (its dK/dV work counter)."""
     grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
-    q, k, v = unpack(*(tma_ready(t) if t is not None else None for t in (q, k, v)), packing)
-    out = tma_ready(out)
-    varlen = cu_seqlens_q is not None
+    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing, dout, out, lse)
+    q, k, v, dout, out, varlen = p.q, p.k, p.v, p.dout, p.out, p.varlen
     if seqused_q is not None:
         dq.zero_()  # rows past seqused_q[b] are ignored by the forward; their gradient is 0
     if seqused_k is not None:
@@ -96,35 +96,24 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         for g in grads:
             g.zero_()
         return grads
-    dout = tma_ready(dout)
-    nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    nheads, nheads_kv, head_dim, gluon = p.nheads, p.nheads_kv, p.head_dim, p.bwd_gluon
     fp32 = q.dtype == torch.float32
-    # The Gluon kernels (Note [hopper path] in ops/hopper.py): dK/dV runs after the dQ kernel, without the handoff.
-    gluon = hopper_unsupported(q.device, q.dtype, head_dim, seqused=seqused_q is not None or seqused_k is not None,
-                               softcap=softcap, alibi=alibi_slopes is not None) is None
-    gluon = gluon and hopper_bwd_unsupported(
-        varlen, nheads // nheads_kv, window_left, window_right,
-        varlen and self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, q.shape[0], k.shape[0])) is None
+    batch, seqlen_q, seqlen_k = p.batch, p.seqlen_q, p.seqlen_k
     plan_k = None
     if varlen:
-        # As in the forward, max_seqlen_q/k size nothing: the kernels read each sequence's lengths, clamped to the
-        # packed totals passed as their seqlen arguments. The Triton dQ kernel reads its tile from a last-first list
-        # of its BLOCK_M (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then
-        # it walks the schedule (dq_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its
-        # consumer's rows, and the Gluon dK/dV kernel from a first-first list of the key side.
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
+        # As in the forward, the kernels read each sequence's lengths, clamped to the packed totals passed as their
+        # seqlen arguments. The Triton dQ kernel reads its tile from a last-first list of its BLOCK_M
+        # (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it walks the
+        # schedule (dq_list_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its consumer's
+        # rows, and the Gluon dK/dV kernel from a first-first list of the key side (ops/call.py decides which).
         _, dq_block, dkdv_block = list_blocks(head_dim, fp32, gluon)
-        self_attn = self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k)
         if plan is None or not plan.has(dq_block, 0):
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
-                               *plan_lists((dq_block, False), *(((dkdv_block, True),) if self_attn else ())))
+                               *plan_lists((dq_block, False), *(((dkdv_block, True),) if p.self_attention else ())))
         # Self-attention: the same lengths on both sides, so the same order (Triton's dK/dV walks the schedule).
-        plan_k = plan if self_attn and plan.has(0, dkdv_block) else varlen_plan(
+        plan_k = plan if p.self_attention and plan.has(0, dkdv_block) else varlen_plan(
             cu_seqlens_k, seqused_k, seqlen_k, cu_seqlens_q, seqused_q, seqlen_q, dkdv_block, False, bool(dkdv_block))
-        listed = dq_block > 0
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        listed = False
+    listed = p.dq_list_block > 0
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads; for the Triton dK/dV
     # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py).
@@ -139,8 +128,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         kd, vd = host_desc(k, block_n), host_desc(v, block_n)
     else:
         kd, vd = k, v
-    # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
-    pdl = not gluon and pdl_supported(q.device) and not graph_capturing(q.device)
+    pdl = p.pdl
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     scalars = (qk_scale, softcap2, softmax_scale)
 
@@ -163,10 +151,9 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         return Static((*strides, *bmh_strides(dk, varlen), *bmh_strides(dv, varlen), *tail), constexprs,
                       lambda _, block_n: tile_grid(block_n, seqlen_k, k.shape[0], batch, nheads_kv, varlen))
 
-    # Everything `static` reads (Note [launch cache]): the gradients and delta are fresh allocations whose layout
-    # the inputs' shapes and the packing fix.
-    key = (signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes),
-           window_left, window_right, softcap > 0.0, packing, pdl, listed, gluon)
+    # `static` reads the problem only (the gradients and delta are fresh allocations whose layout the inputs'
+    # shapes and the packing fix), so the problem's key is complete (Note [launch cache]).
+    key = p.key()
     prepare_launch(q)
     if gluon:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,

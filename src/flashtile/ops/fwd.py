@@ -23,11 +23,12 @@ from ..kernels.fwd import _attn_fwd_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
 from .common import alibi_batch_stride, custom_op, fast_divisor, unpack
-from .descriptors import bmh_strides, descriptor_blocks, host_desc, tma_ready
-from .schedule import Plan, list_blocks, plan_lists, schedule_step, self_attention, tile_grid, varlen_plan
+from .descriptors import bmh_strides, descriptor_blocks, host_desc
+from .schedule import Plan, list_blocks, plan_lists, schedule_step, tile_grid, varlen_plan
 from . import hopper
-from .hopper import HOPPER_PATH, TRITON, hopper_unsupported, record
-from .launch import Static, head_dims, launch, prepare_launch, signature
+from .call import op_problem
+from .hopper import HOPPER_PATH, TRITON, record
+from .launch import Static, head_dims, launch, prepare_launch
 
 # Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both
 # ways, and varlen batches always take the other path. Only up to the head dims where it was measured: at d256
@@ -79,11 +80,11 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     """attention_fwd's implementation; also returns a varlen call's plan (ops/schedule.varlen_plan, else None). With
     `for_backward` that plan also holds the lists the backward's kernels read where one plan can (self-attention,
     lists of one block: Note [one plan per step] in ops/bwd.py), so that the backward launches none."""
-    paged = block_table is not None
-    if not paged:
-        k, v = (None if t is None else tma_ready(t) for t in (k, v))
-    q, k, v = unpack(tma_ready(q), k, v, packing)
-    varlen = cu_seqlens_q is not None
+    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+                   max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing)
+    q, k, v, varlen, paged, gluon = p.q, p.k, p.v, p.varlen, p.paged, p.fwd_gluon
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv,
+                                                              p.head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if seqused_q is not None:
@@ -92,24 +93,15 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         lse.fill_(float("inf"))
     if out.numel() == 0:
         return out, lse, None
-    nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    gluon = k.numel() > 0 and hopper_unsupported(q.device, q.dtype, head_dim, paged=paged,
-                                                 seqused=seqused_q is not None or seqused_k is not None,
-                                                 softcap=softcap, alibi=alibi_slopes is not None) is None
     plan = None
     if varlen:
-        # The kernel reads each sequence's lengths; max_seqlen_q/k size nothing (Note [varlen tile list]). Its
-        # seqlen arguments carry the bounds that those lengths are clamped to (kernels/seqlen.py: seq_info).
-        batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
-        seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
+        # The kernel reads each sequence's lengths, clamped to the bounds its seqlen arguments carry
+        # (kernels/seqlen.py: seq_info; ops/call.OpProblem).
         fwd_block, dq_block, dkdv_block = list_blocks(head_dim, q.dtype == torch.float32, gluon)
-        backward = for_backward and self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q,
-                                                   seqlen_k)
+        backward = for_backward and p.self_attention
         lists = plan_lists((fwd_block, False), *(((dq_block, False), (dkdv_block, True)) if backward else ()))
         plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,
                            cost_packed=not paged)
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     if gluon:
         # Note [hopper path] in ops/hopper.py
@@ -153,12 +145,10 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads,
                                                                       varlen))
 
-    # Everything `static` reads: the tensors' shapes, strides, dtypes and alignment, and the integer arguments
-    # (Note [launch cache]); out and lse are fresh allocations whose layout q's shape fixes.
-    key = (signature(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table),
-           window_left, window_right, softcap > 0.0)
+    # `static` reads the problem only (out and lse are fresh allocations whose layout q's shape fixes), so the
+    # problem's key is complete (Note [launch cache]).
     prepare_launch(q)
-    launch(_attn_fwd_kernel, "fwd", head_dim, q.dtype == torch.float32, key,
+    launch(_attn_fwd_kernel, "fwd", head_dim, q.dtype == torch.float32, p.key(),
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             None if plan is None else plan.schedule, block_table, qk_scale, softcap2),
            static, pre_hook=_FWD_BLOCKS)
