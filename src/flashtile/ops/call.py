@@ -15,6 +15,7 @@ What this module does not do: validate arguments (problem.py, at the public API)
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -74,12 +75,13 @@ class OpProblem(NamedTuple):
     def key(self) -> tuple:
         """The launch-cache key: every field, tensors by their signature, the per-call floats (softmax_scale,
         softcap: passed as kernel arguments, never specialised) by whether softcap is on."""
-        return (signature(*self[:_N_TENSORS]), self.softcap > 0.0, *(self[i] for i in _KEYED))
+        return signature(*self[:_N_TENSORS]), self.softcap > 0.0, _keyed(self)
 
 
 _N_TENSORS = OpProblem._fields.index("varlen")
 _PER_CALL = ("softmax_scale", "softcap")
-_KEYED = tuple(i for i, name in enumerate(OpProblem._fields) if i >= _N_TENSORS and name not in _PER_CALL)
+_keyed = operator.itemgetter(*(i for i, name in enumerate(OpProblem._fields)
+                               if i >= _N_TENSORS and name not in _PER_CALL))
 
 
 def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, max_seqlen_q,

@@ -73,8 +73,16 @@ class _Entry(NamedTuple):
 _CACHE: dict[tuple, _Entry] = {}
 
 
-def _tensor_signature(x: torch.Tensor) -> tuple:
-    return x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
+def _signature(x):
+    if x is None or isinstance(x, (int, str)):  # bools are ints
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
+    if isinstance(x, float):
+        return float
+    if hasattr(x, "block_shape") and hasattr(x, "base"):  # Triton's and Gluon's TensorDescriptor
+        return _signature(x.base), tuple(x.block_shape), getattr(x, "layout", None)
+    return x
 
 
 def signature(*xs) -> tuple:
@@ -82,17 +90,7 @@ def signature(*xs) -> tuple:
     pointer is 16-byte aligned (Triton's pointer specialisation); for a host TMA descriptor its tensor's, its box
     and shared layout; for a float only its type (Triton passes floats as they are, with no specialisation); other
     values as they are."""
-    out = []
-    for x in xs:
-        if isinstance(x, torch.Tensor):
-            out.append(_tensor_signature(x))
-        elif isinstance(x, float):
-            out.append(float)
-        elif hasattr(x, "block_shape") and hasattr(x, "base"):  # Triton's and Gluon's TensorDescriptor
-            out.append((_tensor_signature(x.base), tuple(x.block_shape), getattr(x, "layout", None)))
-        else:
-            out.append(x)
-    return tuple(out)
+    return tuple(map(_signature, xs))
 
 
 def _uncached() -> bool:
