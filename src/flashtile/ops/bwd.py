@@ -133,8 +133,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     scalars = (qk_scale, softcap2, softmax_scale)
 
     def static(kernel):
-        flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
-                             seqused_q is not None, seqused_k is not None, q.dtype)
+        flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
+                             p.seqused_q is not None, p.seqused_k is not None, q.dtype)
         constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
         if kernel == "bwd_dq":
             constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed, DESC=desc,
@@ -143,8 +143,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
             constexprs.update(STEP=schedule_step(batch, varlen))
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                    *bmh_strides(dout, varlen))
-        tail = (*lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, batch,
-                window_left, window_right)
+        tail = (*lse_strides(lse, varlen), alibi_batch_stride(p.alibi_slopes), seqlen_q, seqlen_k, batch,
+                p.window_left, p.window_right)
         if kernel == "bwd_dq":
             return Static((*strides, *bmh_strides(out, varlen), *bmh_strides(dq, varlen), *tail), constexprs,
                           lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen))

@@ -130,16 +130,16 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         od = host_desc(out, cfg.block_m) if desc == DESC_DENSE.value else out
 
     def static():
-        flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
-                             seqused_q is not None, seqused_k is not None, q.dtype)
+        flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
+                             p.seqused_q is not None, p.seqused_k is not None, q.dtype)
         # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page
         # ones.
         kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
-        stride_btb, page_size, num_pages = ((block_table.stride(0), k.shape[1], k.shape[0]) if paged
+        stride_btb, page_size, num_pages = ((p.block_table.stride(0), k.shape[1], k.shape[0]) if paged
                                             else (0, 1, batch))
         args = (*bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen), *lse_strides(lse, varlen),
-                alibi_batch_stride(alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
-                *fast_divisor(page_size), num_pages, window_left, window_right)
+                alibi_batch_stride(p.alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
+                *fast_divisor(page_size), num_pages, p.window_left, p.window_right)
         constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, STEP=schedule_step(batch, varlen),
                           **head_dims(head_dim), **flags)
         return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads,
