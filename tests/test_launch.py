@@ -166,7 +166,7 @@ def test_without_the_shortcuts_every_launch_goes_through_triton(device, monkeypa
 def test_named_arguments_are_checked_against_the_kernel():
     """launch_named orders arguments from the kernel's parameter list and refuses a missing, extra or misplaced
     name, naming the kernel's parameters."""
-    from flashtile.kernels.seqlen import _plan_kernel
+    from flashtile.kernels.schedule import _plan_kernel
 
     names = _plan_kernel.arg_names
     dynamic = {n: None for n in names[:8]}

@@ -278,7 +278,7 @@ def test_max_seqlen_is_not_needed(device, monkeypatch):
 
 
 def test_schedule_is_longest_first(device):
-    from flashtile.kernels.seqlen import MAX_SORT
+    from flashtile.kernels.schedule import MAX_SORT
     from flashtile.ops.schedule import varlen_plan
 
     def schedule(*args):

@@ -1,5 +1,5 @@
 """The schedule of a varlen call: grid shapes, the sequences' launch order (longest first), the tile lists the
-persistent and listed kernels read and their work counters, all written by one small kernel (kernels/seqlen.py:
+persistent and listed kernels read and their work counters, all written by one small kernel (kernels/schedule.py:
 _plan_kernel) with no host synchronisation; and which lists each kernel of a call wants. docs/design/scheduling.md
 is the long form.
 
@@ -15,7 +15,8 @@ import torch
 
 from .. import env
 from ..config import HOPPER, tile_config
-from ..kernels.seqlen import MAX_SORT, MAX_STEP, _plan_kernel
+from ..kernels.schedule import MAX_SORT, _plan_kernel
+from ..kernels.seqlen import MAX_STEP
 from .common import cdiv, next_power_of_2
 from .launch import launch_named
 
@@ -72,7 +73,7 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
     counters for the persistent Gluon kernels (Notes [persistent varlen forward], [persistent varlen dQ] and
     [persistent varlen dK/dV]).
     Kernels that walk the schedule take `schedule`, kernels that read their tile take a list (the Gluon kernels and
-    the varlen dQ kernel). One launch (kernels/seqlen.py: _plan_kernel), through the launch cache, no host
+    the varlen dQ kernel). One launch (kernels/schedule.py: _plan_kernel), through the launch cache, no host
     synchronisation. Notes [varlen tile list] and [longest sequences first] in kernels/seqlen.py."""
     batch = cu_tiled.shape[0] - 1
     lists = block > 0 and (last_first or first_first)
