@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import flashtile.kvcache as kvcache
+from flashtile import problem
 from conftest import DEVICE
 from flashtile.ops import decode as decode_ops
 from flashtile.config import decode_config
@@ -631,8 +632,8 @@ def test_gpu_cuda_graph_capture(monkeypatch):
 
 def _unchecked(monkeypatch):
     """The path of a call whose index values are not checked: a contiguous cache on the GPU, any call under
-    torch.compile or CUDA-graph capture (Note [cache index checks] in flashtile/kvcache.py)."""
-    monkeypatch.setattr(kvcache, "_value_checks", lambda *args: False)
+    torch.compile or CUDA-graph capture (Note [cache index checks] in flashtile/problem.py)."""
+    monkeypatch.setattr(problem, "_cache_value_checks", lambda *args: False)
 
 
 def test_out_of_range_cache_seqlens_never_touch_foreign_memory(device, monkeypatch):

@@ -1,10 +1,11 @@
 """The attention problem: what to compute, built and validated once at the public API.
 
 `AttnProblem` is a frozen description of one call: shapes, dtype, mask, score modifiers and the ragged/varlen
-layout. The interface builds it from user arguments (`dense_problem`, `varlen_problem`), which is where every
-argument is checked and every error names the argument. Below the API, code trusts it: the custom ops receive
-only tensors and scalars, and `kernel_flags` derives the kernels' constexpr flags from those scalars in one
-place, so the compile-cache key is what the kernels actually specialise on and is never maintained by hand.
+layout. The interface builds it from user arguments (`dense_problem`, `varlen_problem`; `kvcache_problem` builds
+the decode API's KVCacheProblem), which is where every argument is checked and every error names the argument.
+Below the API, code trusts it: the custom ops receive only tensors and scalars, and `kernel_flags` derives the
+kernels' constexpr flags from those scalars in one place, so the compile-cache key is what the kernels actually
+specialise on and is never maintained by hand.
 
 Window convention (flash-attn's): window_left / window_right of -1 mean unbounded; causal is the window
 (left, 0). Both are aligned bottom-right: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right.
@@ -21,10 +22,12 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from . import env
+from .ops.device import graph_capturing
 
 MAX_HEAD_DIM = 256
 # CUDA's limit on a grid's y and z dimensions, where the dense kernels put the heads and the batch (a varlen batch's
@@ -347,3 +350,200 @@ def _check_block_table(block_table: torch.Tensor, lengths_k: torch.Tensor, num_b
         b, n = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"block_table[{b}, {n}] = {int(table[b, n])} is not a page of the cache (must lie in "
                          f"[0, {num_blocks}), k.shape[0])")
+
+
+@dataclass(frozen=True)
+class KVCacheProblem:
+    """flash_attn_with_kvcache's call, validated and normalised, as kvcache.py passes it to the decode ops."""
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    capacity: int  # rows one sequence's cache holds
+    seqlen_new: int  # tokens appended (k.shape[1]; 0 without k and v)
+    softmax_scale: float
+    window_left: int  # -1: unbounded; past the capacity, unbounded too
+    window_right: int
+    softcap: float
+    block_table: Optional[torch.Tensor]  # block_table or page_table, whichever was given
+    cache_seqlens: torch.Tensor  # (batch,) int32; an int or None made a tensor
+
+
+def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
+    """Rows one sequence's cache can hold."""
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                    cache_leftpad, block_table, page_table, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, num_splits) -> KVCacheProblem:
+    """Validate flash_attn_with_kvcache's arguments (kvcache.py documents them) and describe the call. The values
+    of the index tensors are checked as Note [cache index checks] says."""
+    if page_table is not None:
+        if block_table is not None:
+            raise ValueError("pass the page table as block_table or as page_table, not both")
+        block_table = page_table
+    check_tensor("q", q, 4)
+    check_tensor("k_cache", k_cache, 4, q.device, q.dtype)
+    check_tensor("v_cache", v_cache, 4, q.device, q.dtype)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q and k_cache must have the same headdim, got {head_dim} and {k_cache.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"headdim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if seqlen_q < 1:
+        raise ValueError(f"q must have at least one token (seqlen_q >= 1), got shape {tuple(q.shape)}")
+    check_grid_limits(batch, nheads)
+    if nheads_kv < 1 or nheads % nheads_kv != 0:
+        raise ValueError(f"number of query heads ({nheads}) must be a multiple of the number of key/value heads "
+                         f"in k_cache ({nheads_kv})")
+    check_index("block_table", block_table, 2, batch, q.device)
+    check_index("cache_batch_idx", cache_batch_idx, 1, batch, q.device)
+    check_index("cache_leftpad", cache_leftpad, 1, batch, q.device)
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be used with a paged cache (block_table): the block table "
+                             "already maps each sequence to its pages")
+        if k_cache.shape[1] < 1 or block_table.shape[1] < 1:
+            raise ValueError(f"a paged cache needs page_block_size >= 1 and block_table with >= 1 column, got "
+                             f"k_cache {tuple(k_cache.shape)} and block_table {tuple(block_table.shape)}")
+    elif cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch_size {batch}; pass "
+                         "cache_batch_idx to pick cache rows")
+    cap = capacity(k_cache, block_table)
+
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append), or both be None")
+    if k is not None:
+        check_tensor("k", k, 4, q.device, q.dtype)
+        check_tensor("v", v, 4, q.device, q.dtype)
+        expected = (batch, k.shape[1], nheads_kv, head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
+                                 f"{expected}, got {tuple(t.shape)}")
+        seqlen_new = k.shape[1]
+        if seqlen_new > cap:
+            raise ValueError(f"cannot append {seqlen_new} tokens (k.shape[1]) to a cache of capacity {cap}")
+        if cache_seqlens is None:
+            raise ValueError("appending k/v needs cache_seqlens: the new tokens are written at rows "
+                             "[cache_seqlens[b], cache_seqlens[b] + seqlen_new)")
+
+    softmax_scale = check_scalar_args(0.0, softmax_scale, softcap, head_dim)
+    check_alibi(alibi_slopes, batch, nheads, q.device)
+    window_left, window_right = normalize_window(causal, window_size)
+    # flash-attn's rule: a window reaching past the capacity restricts nothing, so it is not local (this also
+    # decides at which positions q is rotated).
+    window_left = -1 if window_left >= cap else window_left
+    window_right = -1 if window_right >= cap else window_right
+    if seqlen_q == 1:
+        # A single query row sits on the last key, so a right bound (causal included) hides nothing: dropping it
+        # keeps the common decode step on the kernel variant without masks. Rotary positions are unaffected.
+        window_right = -1
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
+    _check_rotary(rotary_cos, rotary_sin, k, q, head_dim, cap)
+
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), cap, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= cap - seqlen_new:
+            raise ValueError(f"cache_seqlens = {cache_seqlens} must be in [0, capacity - seqlen_new] = "
+                             f"[0, {cap - seqlen_new}]")
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        check_index("cache_seqlens", cache_seqlens, 1, batch, q.device)
+    if _cache_value_checks(q.device, block_table is not None, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table):
+        _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
+
+    return KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, cap, seqlen_new, softmax_scale, window_left,
+                          window_right, float(softcap), block_table, cache_seqlens)
+
+
+def _cache_value_checks(device, paged: bool, *tensors) -> bool:
+    """Note [cache index checks]: whether this call checks the values of its index tensors (cache_seqlens,
+    cache_leftpad, cache_batch_idx, block_table), which on a GPU costs a device-to-host copy that waits for the
+    queued work. flash-attn pays it for paged caches only and raises there; so does flashtile, and on CPU tensors
+    (free) and with FLASHTILE_CHECK=1 for every cache. Never while torch.compile traces (the values are unknown)
+    or a CUDA graph is captured (a copy would break the capture). Unchecked values are clamped by the kernels:
+    cache_seqlens into [0, capacity - seqlen_new], cache_leftpad into [0, cache_seqlens + seqlen_new], pages and
+    cache rows into the cache, and appended rows past a sequence's capacity are dropped; a bad value can give a
+    wrong answer for its own sequence but never reads or writes memory outside the caches."""
+    if torch.compiler.is_compiling() or graph_capturing(device):
+        return False
+    return paged or value_checks(*tensors)
+
+
+def _check_rotary(cos, sin, k, q, head_dim: int, cap: int) -> None:
+    if cos is None and sin is None:
+        return
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin need new keys k and v: rotary embedding is applied to q and to the "
+                         "appended k (the cache holds already-rotated keys)")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        check_tensor(name, t, 2, q.device)
+    if tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if sin.stride() != cos.stride():
+        raise ValueError(f"rotary_cos and rotary_sin must have the same strides, got {cos.stride()} and "
+                         f"{sin.stride()}")
+    rotary_dim = 2 * cos.shape[1]
+    if not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_cos must be (seqlen_ro, rotary_dim / 2) with 0 < rotary_dim <= headdim = "
+                         f"{head_dim}; got shape {tuple(cos.shape)} (rotary_dim = {rotary_dim})")
+    # flash-attn's rule: the tables cover the cache. A query of a causal or local step can sit past the cache's
+    # last row (more queries than appended keys); such a position is not rotated and reads no table row
+    # (kernels/kvcache.rotary_load).
+    if cos.shape[0] < cap:
+        raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions (seqlen_ro) but the cache holds {cap} "
+                         f"rows (its capacity): seqlen_ro must be >= the capacity")
+
+
+def _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap: int,
+                  seqlen_new: int) -> None:
+    """Checks on the values of the index tensors (Note [cache index checks]): one device-to-host copy of a few
+    flags, and a second only to name the first bad entry when one fails."""
+    seqlens = cache_seqlens.long()
+    conditions = [("cache_seqlens", (seqlens < 0) | (seqlens + seqlen_new > cap))]
+    if cache_leftpad is not None:
+        conditions.append(("cache_leftpad", (cache_leftpad < 0) | (cache_leftpad.long() > seqlens)))
+    if cache_batch_idx is not None:
+        conditions.append(("cache_batch_idx", (cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])))
+    if block_table is not None:
+        # Only the pages a sequence owns (those holding rows < cache_seqlens + seqlen_new) must be pages of the
+        # cache; the rest of its row may hold anything (e.g. -1 padding), since it is never read.
+        page_size = k_cache.shape[1]
+        owned = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < (
+            seqlens.clamp(0, cap) + seqlen_new)[:, None]
+        conditions.append(("block_table", owned & ((block_table < 0) | (block_table >= k_cache.shape[0]))))
+    failed = torch.stack([bad.any() for _, bad in conditions]).tolist()
+    if not any(failed):
+        return
+    name, bad = conditions[failed.index(True)]
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    if name == "cache_seqlens":
+        b = index[0]
+        raise ValueError(f"cache_seqlens[{b}] = {int(seqlens[b])}: cache_seqlens + seqlen_new ({seqlen_new}) must "
+                         f"lie in [0, {cap}], the rows a sequence's cache holds (block_table.shape[1] x "
+                         f"page_block_size for a paged cache, k_cache.shape[1] otherwise)")
+    if name == "cache_leftpad":
+        b = index[0]
+        raise ValueError(f"cache_leftpad[{b}] = {int(cache_leftpad[b])} must lie in [0, cache_seqlens[{b}] = "
+                         f"{int(seqlens[b])}]")
+    if name == "cache_batch_idx":
+        b = index[0]
+        raise ValueError(f"cache_batch_idx[{b}] = {int(cache_batch_idx[b])} must lie in [0, {k_cache.shape[0]}) "
+                         f"(k_cache.shape[0])")
+    b, n = index
+    raise ValueError(f"block_table[{b}, {n}] = {int(block_table[b, n])} is not a page of the cache: the pages a "
+                     f"sequence's rows live in must lie in [0, {k_cache.shape[0]}) (k_cache.shape[0])")

@@ -24,7 +24,7 @@ from ..config import TileConfig, block_d, decode_config
 from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
-from ..problem import kernel_flags
+from ..problem import capacity, kernel_flags
 from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2
 from .device import sm_count
 from .launch import launch_direct, launch_opts
@@ -95,11 +95,6 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     if block_m <= 16 and budget >= MIN_MAXNREG:
         opts["maxnreg"] = min(budget, 255)
     return opts
-
-
-def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
-    """Rows one sequence can hold."""
-    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
 def page_args(k_cache: torch.Tensor) -> tuple[int, int, int]:
