@@ -124,8 +124,7 @@ def check_scalar_args(dropout_p: float, softmax_scale, softcap: float, head_dim:
         if not 0.0 < dropout_p < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
         raise NotImplementedError(
-            "dropout_p > 0 is not supported by flashtile yet; pass dropout_p=0.0 (attention dropout has its own "
-            "issue). It is never silently ignored.")
+            "dropout_p > 0 is not supported by flashtile yet; pass dropout_p=0.0. It is never silently ignored.")
     # Comparisons rather than math.isfinite (NaN fails them too): under torch.compile(dynamic=True) these floats
     # can be symbolic, and math.isfinite would break the graph.
     if softcap is None or not 0.0 <= softcap < math.inf:

@@ -16,7 +16,7 @@ The GPU sweeps:
   never uniform.
 - varlen (modes varlen, varlenbwd): 16 sequences of 256…4096 tokens, 16k in total, d128, hidden 2048.
 - varlen-baseline (modes fwd, fwdbwd, in the varlen preset): dense, d128, hidden 2048, 16k tokens, S = 1k and
-  4k. Issue 4's target is varlen's TFLOP/s as a fraction of dense's at the mix's lengths, so the varlen preset
+  4k. Varlen's TFLOP/s is compared with dense's at the mix's lengths, so the varlen preset
   times both in the same run: one commit, one machine state, no ratio across runs.
 Without a GPU the same sweeps run at toy sizes through the Triton interpreter.
 

@@ -49,7 +49,7 @@ kernel streams K and V through host descriptors where the forward does (DESC: op
 descriptors]; a packed box that crosses the sequence's end reads the next sequence's rows, which the masked blocks
 zero). A device descriptor costs a global write and two proxy fences before the first load, and at the dQ tile's
 ~1.2 µs per key block that fixed cost weighed: on the H200 the host descriptors made dQ 6-7% faster on the
-16-sequence mix and 9-12% at S=1k, even at 4k (an earlier measurement with other tiles had found no gain). The
+16-sequence mix and 9-12% at S=1k, even at 4k (docs/design/descriptors.md). The
 dK/dV kernel builds its Q and dO descriptors per (sequence, head) on the device (with host descriptors they were no
 faster and crashed ptxas at d128).
 """

@@ -30,10 +30,10 @@ from .call import op_problem
 from .hopper import HOPPER_PATH, TRITON, record
 from .launch import Static, head_dims, launch, prepare_launch
 
-# Whether dense batches get host-built descriptors (Note [host descriptors]); tools/ab_descriptors.py times both
-# ways, and varlen batches always take the other path. Only up to the head dims where it was measured: at d256
-# the Q tile the host path holds in registers takes the forward from 223 to 254 registers (no spill, per
-# tests/sm90_compile.py --ptxas), which is untimed.
+# Whether dense batches get host-built descriptors (Note [host descriptors]; docs/design/descriptors.md has the
+# measurements of both ways), and varlen batches always take the other path. Only up to the head dims where it
+# was measured: at d256 the Q tile the host path holds in registers takes the forward from 223 to 254 registers
+# (no spill, per tests/sm90_compile.py --ptxas), which is untimed.
 HOST_DESCRIPTORS = True
 HOST_DESCRIPTOR_MAX_D = 128
 _FWD_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"})
