@@ -86,9 +86,8 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
     warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run when they do
     not. The packed and varlen entry points follow the same rule for their q, k, v (varlen with seqused_q/k or a
-    block_table runs the Triton kernels, and so does the backward of a varlen call under a causal mask with one
-    query head per KV head whose cu_seqlens_k is not cu_seqlens_q: Note [varlen dK/dV without GQA] in
-    ops/hopper.py). Arguments are validated as flash_attn_func validates them; nothing is computed.
+    block_table runs the Triton kernels). Arguments are validated as flash_attn_func validates them; nothing is
+    computed.
     `last_kernel_paths()` says what the last call ran.
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, 0.0)

@@ -19,9 +19,22 @@ persistent and computes one such item after another (Note [persistent varlen dK/
                                        The tile's LSE and delta rows: pointer loads under Sᵀ and dPᵀ.
 
 The program's query range is q_block_range's for its 2 x BLOCK_N keys; the tiles that some (query, key) pair of
-the program does not see run masked, with masking.apply_mask's test rearranged so that only per-key bounds move
-with the tile (_tile says why); a consumer passes over the tiles that reach none of its keys (it waits for each
-and releases it), as the dQ kernel's consumers do the key blocks their rows do not see. Query rows past
+the program does not see (its masked ends) apply the mask, with masking.apply_mask's test rearranged so that only
+per-key bounds move with the tile (_tile says why); a consumer passes over the tiles that reach none of its keys
+(it waits for each and releases it), as the dQ kernel's consumers do the key blocks their rows do not see.
+
+Note [one loop per consumer]: a consumer runs its tiles in one loop, the mask under a branch in the edge tiles.
+Its masked front tiles once ran in a loop of their own before the loop of the others, and the varlen kernel's
+gradients were wrong for every key tile with no masked tile (causal, fewer queries than keys, one query head per
+KV head: q 1, 64 or 200 against 484 keys; errors 0.1-0.5, the same on every run, and a later launch could fault).
+From the results on the H200 (torch 2.11, Triton 3.6 with its ptxas 12.8.93): the Sᵀ and dPᵀ matmuls of those
+tiles were right in head dims 0-15 and wrong in the rest, that is in every k-step of the wgmma after the first; and
+the sm_90 SASS shows why. ptxas computed the shared-memory descriptors of those k-steps (the tile's base plus
+each step's offset) once, in uniform registers, in the first loop's preheader, and the second loop's preheader
+read them; when the first loop had no iteration they held whatever was there before. The PTX defines them on both
+paths (a ptxas fault, not the kernel's). With GQA the loops sit inside the group's loop and compile otherwise;
+the dense kernel was right. One loop per consumer leaves nothing for another loop to define, and costs the
+edge test per tile. Covered by tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys. Query rows past
 seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0 (as in
 kernels/bwd.py). In a dense batch, rows past a sequence are TMA's zero fill and the 4-d descriptors' stores drop
 their gradient rows. A varlen batch's descriptors run over the packed tensors (Note [varlen descriptors] in
@@ -152,10 +165,10 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars
 
 @gluon.jit
 def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr, kl, offs_m, st_zero,
-          seqlen_q, qk_scale, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, MASK_LEFT: gl.constexpr,
-          MASK_RIGHT: gl.constexpr):
-    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv)."""
+          seqlen_q, qk_scale, edge, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+          STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv). `edge`: the
+    tile is at a masked end of the consumer's range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -163,32 +176,29 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h
     do_t = do_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
     st = warpgroup_mma(k_c, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_c, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-    # This tile's LSE and delta rows, read under the two matmuls just issued.
+    # This tile's LSE and delta rows, read under the two matmuls just issued; rows past seqlen_q read lse = +inf.
     # Scalar pointer first, then the arange: LLVM otherwise hoists 16 per-element 64-bit pointers per tensor out of
     # the loop (lse_h + offs_m), and they spill.
     lse_t = lse_h + m_start
     delta_t = delta_h + m_start
-    if MASKED:
-        lse2 = gl.load(lse_t + offs_m, mask=offs_m < seqlen_q - m_start, other=float("inf")) * LOG2E
-        delta = gl.load(delta_t + offs_m, mask=offs_m < seqlen_q - m_start, other=0.0)
-    else:  # a tile of whole rows (the consumer's loop bounds)
-        lse2 = gl.load(lse_t + offs_m) * LOG2E
-        delta = gl.load(delta_t + offs_m)
+    lse2 = gl.load(lse_t + offs_m, mask=offs_m < seqlen_q - m_start, other=float("inf")) * LOG2E
+    delta = gl.load(delta_t + offs_m, mask=offs_m < seqlen_q - m_start, other=0.0)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    if MASKED and (MASK_LEFT or MASK_RIGHT):
-        # apply_mask's test (key j visible to query i iff i + diag - wl <= j <= i + diag + wr) with i = m_start +
-        # offs_m, rearranged so that only the per-key bounds move with m_start: comparing a tile-independent
-        # i-expression instead makes LLVM hoist 16 (or 32) per-element values out of the loop, which spill.
-        qi = gl.expand_dims(offs_m, 0)
-        visible = qi >= 0  # all true
-        if MASK_RIGHT:
-            visible = visible & (qi >= gl.expand_dims(kr - m_start, 1))
-        if MASK_LEFT:
-            visible = visible & (qi <= gl.expand_dims(kl - m_start, 1))
-        s2 = gl.where(visible, st * qk_scale, float("-inf"))
-        pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
-    else:
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    s2 = st * qk_scale
+    if MASK_LEFT or MASK_RIGHT:
+        if edge:
+            # apply_mask's test (key j visible to query i iff i + diag - wl <= j <= i + diag + wr) with i =
+            # m_start + offs_m, rearranged so that only the per-key bounds move with m_start: comparing a
+            # tile-independent i-expression instead makes LLVM hoist 16 (or 32) per-element values out of the
+            # loop, which spill.
+            qi = gl.expand_dims(offs_m, 0)
+            visible = qi >= 0  # all true
+            if MASK_RIGHT:
+                visible = visible & (qi >= gl.expand_dims(kr - m_start, 1))
+            if MASK_LEFT:
+                visible = visible & (qi <= gl.expand_dims(kl - m_start, 1))
+            s2 = gl.where(visible, s2, float("-inf"))
+    pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
     dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -236,39 +246,13 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
     for g in range(GROUP):
         base = it0 + g * n_tiles
         pass_over(base, base + own0, ready, empty, STAGES)
-        if MASK_LEFT:
-            # A sliding window: masked tiles at both ends. They run in their own loop, so the mask's registers and
-            # instructions stay out of the main one. Pass 0: masked front tiles, then the unmasked middle; pass 1:
-            # masked tail tiles (its unmasked range is empty). Each loop body exists once (two masked copies cost
-            # ptxas registers), in the loader's order.
-            for ph in range(2):
-                t0 = gl.where(ph == 0, own0, mid)
-                t1 = gl.where(ph == 0, front, own1)
-                for t in range(t0, t1):
-                    dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
-                                   delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                                   BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
-                for t in range(t1, gl.where(ph == 0, mid, t1)):
-                    dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
-                                   delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                                   BLOCK_M, STAGES, False, MASK_LEFT, MASK_RIGHT)
-        else:
-            # Causal or no mask: past the diagonal tiles (causal) every query sees every key of the program, so the
-            # only other tile that needs care is the last of a sequence that does not end on a tile boundary (its
-            # LSE and delta rows past seqlen_q). So the diagonal tiles, then one loop with those loads masked in
-            # every tile. The loop nest above (masked tail tiles in a loop of their own, nested in the passes) made
-            # the 16-sequence mix's dK/dV 11% slower without a mask and 8% causal (on the H200).
-            if MASK_RIGHT:
-                for t in range(own0, front):
-                    dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
-                                   delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                                   BLOCK_M, STAGES, True, MASK_LEFT, MASK_RIGHT)
-            # A literal 0 without a mask: starting from n_front there (a runtime min(0, n_tiles)) ran the mix's
-            # dK/dV 4% slower.
-            for t in range(front if MASK_RIGHT else 0, own1):
-                dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h,
-                               delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, a_layout, HEAD_DIM,
-                               BLOCK_M, STAGES, True, False, False)
+        # One loop over the consumer's tiles; a tile at either masked end, [own0, front) or [mid, own1), applies
+        # the mask under a branch (Note [one loop per consumer]).
+        for t in range(own0, own1):
+            edge = (t < front) | (t >= mid)
+            dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr,
+                           kl, offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout, HEAD_DIM, BLOCK_M, STAGES,
+                           MASK_LEFT, MASK_RIGHT)
         pass_over(base + own1, base + n_tiles, ready, empty, STAGES)
         lse_h += stride_lh
         delta_h += stride_lh

@@ -23,7 +23,7 @@ import torch
 from .common import unpack
 from .descriptors import tma_ready
 from .device import graph_capturing, pdl_supported
-from .hopper import hopper_bwd_unsupported, hopper_unsupported
+from .hopper import hopper_unsupported
 from .launch import signature
 from .schedule import list_blocks, self_attention
 
@@ -104,8 +104,7 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
     seqused = seqused_q is not None or seqused_k is not None
     fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
                                          alibi=alibi_slopes is not None) if k.numel() > 0 else "no keys"
-    bwd_unsupported = fwd_unsupported or hopper_bwd_unsupported(varlen, nheads // nheads_kv, window_left,
-                                                                window_right, self_attn)
+    bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
     pdl, dq_list_block = False, 0
     if dout is not None:
         dout, out = tma_ready(dout), tma_ready(out)

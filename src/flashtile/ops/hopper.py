@@ -6,9 +6,8 @@ warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cov
 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows. Everything else
 (softcap, ALiBi, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the Triton
 kernels. `hopper_unsupported` is the one decision: the ops ask it on every call, and `flashtile.kernel_paths` asks
-it for a user, with the reason when the answer is no; `hopper_bwd_unsupported` takes the backward of a few calls
-off the path (Note [varlen dK/dV without GQA]); `last_kernel_paths` says which kernels the last forward and backward
-ran. FLASHTILE_HOPPER=0 switches the path off.
+it for a user, with the reason when the answer is no, and the backward follows its forward; `last_kernel_paths`
+says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
 The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
@@ -75,26 +74,6 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi")):
         if cond:
             return f"{what}: not in the Gluon kernels"
-    return None
-
-
-def hopper_bwd_unsupported(varlen: bool, group: int, window_left: int, window_right: int,
-                           self_attention: bool) -> Optional[str]:
-    """For a call whose forward runs the Gluon kernels (hopper_unsupported is None): None when its backward does
-    too, otherwise why the backward runs the Triton kernels.
-
-    Note [varlen dK/dV without GQA]: the persistent Gluon dK/dV kernel gives wrong dK and dV (NaN, or errors of
-    0.05-0.5 in rows never written; bitwise different from rerun to rerun) for a varlen batch under a causal mask
-    without a left window, with one query head per KV head, when queries are fewer than keys: q 1, 64 or 200
-    against 484 keys, d128, H = Hk = 2 (H200, torch 2.11, Triton 3.6). The key tiles whose query tiles all see
-    every key (no masked diagonal tile: those ending by seqlen_k - seqlen_q) are the wrong ones. Dense batches, GQA
-    (H = 4, Hk = 2; H = 2, Hk = 1), no mask, and equal lengths on both sides are right there. Its cause is not
-    found; until it is, such calls run the Triton backward. A self-attention call (the same cu_seqlens tensor on
-    both sides: equal lengths, so every key tile has a masked diagonal tile) keeps the Gluon backward.
-    tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys covers it."""
-    if varlen and group == 1 and window_right >= 0 and window_left < 0 and not self_attention:
-        return ("varlen causal backward with one query head per KV head and cu_seqlens_q that is not cu_seqlens_k: "
-                "the Gluon dK/dV kernel is wrong there (Note [varlen dK/dV without GQA] in ops/hopper.py)")
     return None
 
 
