@@ -23,27 +23,28 @@ the program does not see (its masked ends) apply the mask, with masking.apply_ma
 per-key bounds move with the tile (_tile says why); a consumer passes over the tiles that reach none of its keys
 (it waits for each and releases it), as the dQ kernel's consumers do the key blocks their rows do not see.
 
-Note [one loop per consumer]: a consumer runs its tiles in one loop, the mask under a branch in the edge tiles.
-Its masked front tiles once ran in a loop of their own before the loop of the others, and the varlen kernel's
-gradients were wrong for every key tile with no masked tile (causal, fewer queries than keys, one query head per
-KV head: q 1, 64 or 200 against 484 keys; errors 0.1-0.5, the same on every run, and a later launch could fault).
-From the results on the H200 (torch 2.11, Triton 3.6 with its ptxas 12.8.93): the Sᵀ and dPᵀ matmuls of those
-tiles were right in head dims 0-15 and wrong in the rest, that is in every k-step of the wgmma after the first; and
-the sm_90 SASS shows why. ptxas computed the shared-memory descriptors of those k-steps (the tile's base plus
-each step's offset) once, in uniform registers, in the first loop's preheader, and the second loop's preheader
-read them; when the first loop had no iteration they held whatever was there before. The PTX defines them on both
-paths (a ptxas fault, not the kernel's). With GQA the loops sit inside the group's loop and compile otherwise;
-the dense kernel was right. One loop per consumer leaves nothing for another loop to define, and costs the
-edge test per tile. Covered by tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys. Query rows past
-seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0 (as in
-kernels/bwd.py). In a dense batch, rows past a sequence are TMA's zero fill and the 4-d descriptors' stores drop
-their gradient rows. A varlen batch's descriptors run over the packed tensors (Note [varlen descriptors] in
+Query rows past seqlen_q (in the last tile, which runs masked) read lse = +inf, so their probabilities are exactly 0
+(as in kernels/bwd.py). In a dense batch, rows past a sequence are TMA's zero fill and the 4-d descriptors' stores
+drop their gradient rows. A varlen batch's descriptors run over the packed tensors (Note [varlen descriptors] in
 hopper_fwd.py): key rows past the sequence only reach their own rows of dK and dV, which are not stored (the last
-key tile goes through hopper_common.store_rows); query and dO rows past it would reach every key's gradient
-(0 x inf in dSᵀ Q and Pᵀ dO). So the loader lands that tile (the last of each head's pass) on a barrier of its
-own, zeroes those rows (zero_rows_from) and only then releases the slot to the consumers. Zeroing in the consumers
-instead costs them registers, and ptxas spills values that their loops reload every tile; here, on the
-16-sequence mix with the heads-first grid, dK/dV is 3% faster than with the consumers zeroing (causal: even).
+key tile goes through hopper_common.store_rows); query and dO rows past it would reach every key's gradient (0 x inf
+in dSᵀ Q and Pᵀ dO). So the loader lands that tile (the last of each head's pass) on a barrier of its own, zeroes
+those rows (zero_rows_from) and only then releases the slot to the consumers. Zeroing in the consumers instead costs
+them registers, and ptxas spills values that their loops reload every tile; here, on the 16-sequence mix with the
+heads-first grid, dK/dV is 3% faster than with the consumers zeroing (causal: even).
+
+Note [one loop per consumer]: a consumer runs its tiles in one loop, the mask under a branch in the edge tiles. Its
+masked front tiles once ran in a loop of their own before the loop of the others, and the varlen kernel's gradients
+were wrong for every key tile with no masked tile (causal, fewer queries than keys, one query head per KV head: q 1,
+64 or 200 against 484 keys; errors 0.1-0.5, the same on every run, and a later launch could fault). From the results
+on the H200 (torch 2.11, Triton 3.6 with its ptxas 12.8.93): the Sᵀ and dPᵀ matmuls of those tiles were right in
+head dims 0-15 and wrong in the rest, that is in every k-step of the wgmma after the first; and the sm_90 SASS shows
+why. ptxas computed the shared-memory descriptors of those k-steps (the tile's base plus each step's offset) once,
+in uniform registers, in the first loop's preheader, and the second loop's preheader read them; when the first loop
+had no iteration they held whatever was there before. The PTX defines them on both paths (a ptxas fault, not the
+kernel's). With GQA the loops sit inside the group's loop and compile otherwise; the dense kernel was right. One
+loop per consumer leaves nothing for another loop to define, and costs the edge test per tile. Covered by
+tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys.
 
 Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
 windows. Not softcap, ALiBi, seqused.
