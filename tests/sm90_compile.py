@@ -137,7 +137,8 @@ def scenarios():
                 (f"{name} varlen causal", lambda d=d: varlen(d, BF16, h=2, hk=2, causal=True)),
                 (f"{name} varlen everything", lambda d=d: varlen(
                     d, BF16, seqused=True, alibi_slopes=torch.rand(3, 4), **every)),
-                (f"{name} everything", lambda d=d: dense(d, BF16, alibi_slopes=torch.rand(4), **every)),
+                (f"{name} everything", lambda d=d: dense(d, BF16, alibi_slopes=torch.rand(4), dropout_p=0.1,
+                                                         **every)),
                 (f"{name} paged", lambda d=d: varlen(d, BF16, backward=False, paged=16, causal=True)),
                 # fp32's true-fp32 dots take ptxas 20-70 s a kernel at d128 and d256: their backward and paged
                 # forward only at d <= 64, where every kernel of the table builds in seconds.
@@ -150,6 +151,8 @@ def scenarios():
         # that builds are compiled at d64 (Triton) and d128 (Gluon); at the other head dims the scenarios only
         # derive their specialisations, which must turn no length into a constant.
         ones = [(f"{name} ones: 239x1 causal", lambda d=d: dense(d, BF16, sq=239, sk=1, causal=True)),
+                (f"{name} ones: 239x1 causal dropout", lambda d=d: dense(d, BF16, sq=239, sk=1, causal=True,
+                                                                         dropout_p=0.1)),
                 (f"{name} ones: 1x339 local", lambda d=d: dense(d, BF16, sq=1, sk=339, window_size=(1, 1))),
                 (f"{name} ones: b1 1x1", lambda d=d: dense(d, BF16, b=1, sq=1, sk=1, causal=True)),
                 (f"{name} ones: varlen 8 x 1 over 219-239", lambda d=d: varlen(
@@ -159,6 +162,13 @@ def scenarios():
                     d, BF16, lens_q=(1, 5), backward=False, paged=1, causal=True))]
         out += [(n, thunk, d in (64, 128) and ("239x1" in n or "8 x 1" in n or (d == 64 and "local" in n)))
                 for n, thunk in ones]
+    # Dropout's S_dmask pass (return_attn_probs), dense and varlen with every flag.
+    out += [(f"d{d} dropout probs", lambda d=d: flashtile.flash_attn_func(
+        *(_rand(2, 70, 4, d) for _ in range(3)), dropout_p=0.1, return_attn_probs=True, **every)) for d in (64, 128)]
+    out += [("d64 varlen dropout probs", lambda: flashtile.flash_attn_varlen_func(
+        _rand(71, 4, 64), _rand(60, 2, 64), _rand(60, 2, 64), _cu((70, 1)), _cu((30, 30)), 70, 30, dropout_p=0.1,
+        return_attn_probs=True, seqused_q=torch.tensor([60, 1], dtype=torch.int32), alibi_slopes=torch.rand(4),
+        **every))]
     # fp32 with every feature where its true-fp32 dots compile in seconds (d <= 64; the features change none of
     # the dot code that costs the time at d128 and d256).
     out += [(f"d{d} fp32 varlen everything", lambda d=d: varlen(d, FP32, seqused=True, alibi_slopes=torch.rand(3, 4),

@@ -119,7 +119,9 @@ CATALOGUE = {
     "alibi type": (varlen(alibi_slopes=[0.1] * 4), TypeError, "alibi_slopes must be a tensor"),
     "dropout range": (dense(dropout_p=1.5), ValueError, "dropout_p must be in"),
     "dropout one": (varlen(dropout_p=1.0), ValueError, "dropout_p must be in"),
-    "dropout unsupported": (dense(dropout_p=0.1), NotImplementedError, "dropout_p > 0 is not supported"),
+    "dropout negative": (dense(dropout_p=-0.1), ValueError, "dropout_p must be in"),
+    "dropout nan": (dense(dropout_p=float("nan")), ValueError, "dropout_p must be in"),
+    "dropout string": (dense(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
     "deterministic type": (dense(deterministic="yes"), TypeError, "deterministic must be a bool"),
     "num_splits": (kvcache(num_splits=-1), ValueError, "num_splits must be an int >= 0"),
     # varlen index tensors

@@ -297,3 +297,22 @@ def test_varlen_backward_feeds_each_backend_the_same_dout():
         assert k.grad is not None and v.grad is not None
         grads[name] = q.grad.transpose(1, 2).values() if q.grad.is_nested else q.grad
     torch.testing.assert_close(grads["flashtile"], grads["sdpa-math"], atol=1e-4, rtol=1e-4)
+
+
+def test_dropout_preset_pairs_each_shape_with_and_without_dropout():
+    """The dropout preset times each shape at dropout_p 0 and 0.1 in one run (dropout's cost on the same kernels);
+    backends without dropout refuse its cases, and --refcheck skips them (each backend draws its own mask)."""
+    cases = build_cases(preset_runs("dropout"), GPU_SHAPES, "bf16")
+    assert {c.mode for c in cases} == {"fwdbwd"} and {c.headdim for c in cases} == {64, 128}
+    assert {c.dropout_p for c in cases} == {0.0, 0.1}
+    plain = {dataclasses.replace(c, dropout_p=0.0) for c in cases}
+    assert len(plain) * 2 == len(cases)
+    dropped = next(c for c in cases if c.dropout_p)
+    assert "dropout 0.1" in dropped.label()
+    small = dataclasses.replace(dropped, batch=1, seqlen_q=8, seqlen_k=8, nheads=2, nheads_kv=2)
+    inputs = make_inputs(small, CPU)
+    for name in ("flex", "fa4", "sdpa-cudnn"):
+        with pytest.raises(Unsupported, match="dropout"):
+            BACKENDS[name].setup(small, inputs)
+    assert build_reference(small, inputs) is None
+    assert all(c.dropout_p == 0.0 for c in build_cases(preset_runs("decode"), GPU_SHAPES, "bf16", dropout_p=0.1))

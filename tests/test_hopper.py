@@ -38,6 +38,7 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
     (dict(seqused=True), "seqused_q/seqused_k"),
     (dict(softcap=30.0), "softcap"),
     (dict(alibi=True), "ALiBi"),
+    (dict(dropout=True), "dropout"),
     (dict(device=torch.device("cpu")), "tensors on cpu"),
 ])
 def test_everything_else_runs_triton_and_says_why(fake_sm90, kw, reason):

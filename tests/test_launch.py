@@ -185,14 +185,15 @@ def test_the_problem_key_covers_every_field(device):
     from flashtile.ops.call import OpProblem, op_problem
 
     q, k, v = _inputs(device, 6)
-    p = op_problem(q, k, v, None, None, None, None, None, None, 40, 40, 0.125, -1, 0, 0.0, 0)
+    p = op_problem(q, k, v, None, None, None, None, None, None, None, 40, 40, 0.125, -1, 0, 0.0, 0.0, 0)
     tensors = OpProblem._fields[:OpProblem._fields.index("varlen")]
     for name, value in zip(OpProblem._fields, p):
-        if name in ("softmax_scale", "softcap"):
-            base = p._replace(softcap=1.0)
+        if name in ("softmax_scale", "softcap", "dropout_p"):
+            base = p._replace(softcap=1.0, dropout_p=0.5)
             assert base._replace(**{name: getattr(base, name) + 0.5}).key() == base.key(), name
             continue
         other = (torch.empty(3, 2, 1, device=device) if name in tensors else not value if isinstance(value, bool)
                  else value + 1 if isinstance(value, int) else f"{value} changed")
         assert p._replace(**{name: other}).key() != p.key(), name
     assert p._replace(softcap=1.0).key() != p.key()  # softcap on or off changes the kernel
+    assert p._replace(dropout_p=0.1).key() != p.key()  # and so does dropout

@@ -40,7 +40,8 @@ def _case(rng: random.Random, kinds: list[str]) -> dict:
                 nheads_kv=nheads_kv, nheads=nheads_kv * rng.choice([1, 2, 3]),
                 softcap=rng.choice([0.0, 0.0, 0.0, 10.0]), alibi=rng.random() < 0.2, seed=rng.randrange(2**31))
     if kind in ("dense", "qkvpacked"):
-        case.update(batch=rng.randint(1, 4), seqlen_q=rng.choice(LENGTHS), seqlen_k=rng.choice(LENGTHS))
+        case.update(batch=rng.randint(1, 4), seqlen_q=rng.choice(LENGTHS), seqlen_k=rng.choice(LENGTHS),
+                    dropout=rng.choice([0.0, 0.0, 0.0, 0.15]) if kind == "dense" else 0.0)
         if kind == "qkvpacked":
             case.update(seqlen_k=case["seqlen_q"], nheads_kv=case["nheads"])
     elif kind == "varlen_short":
@@ -63,13 +64,17 @@ def _case(rng: random.Random, kinds: list[str]) -> dict:
 
 
 def _dense_check(torch, flashtile, testing, q, k, v, dout, kw, reruns):
-    """Forward+backward against the oracle, then `reruns` backward passes on the same graph, bitwise."""
+    """Forward+backward against the oracle, then `reruns` backward passes on the same graph, bitwise. With dropout
+    the oracle applies the mask the call returns in S_dmask."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = flashtile.flash_attn_func(*leaves, **kw)
+    dropout = kw.get("dropout_p", 0.0) > 0.0
+    out, _, s_dmask = flashtile.flash_attn_func(*leaves, **kw, return_attn_probs=True)
     grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     for _ in range(reruns):
         for a, b in zip(grads, torch.autograd.grad(out, leaves, dout, retain_graph=True)):
             assert torch.equal(a, b), "a rerun of the backward on the same graph differs"
+    if dropout:
+        kw = dict(kw, dropout_mask=s_dmask[:, :, :q.shape[1], :k.shape[1]] >= 0)
     _oracle(torch, testing, q, k, v, dout, kw, out, grads)
 
 
@@ -106,6 +111,8 @@ def _run(case: dict, reruns: int) -> None:
         if case["alibi"]:
             kw["alibi_slopes"] = torch.rand(batch, h, device="cuda", generator=g) * 0.3
     if case["kind"] == "dense":
+        if case.get("dropout"):
+            kw["dropout_p"] = case["dropout"]
         q, k, v = randn(case["batch"], case["seqlen_q"], h, d), *(randn(case["batch"], case["seqlen_k"], hk, d)
                                                                  for _ in range(2))
         _dense_check(torch, flashtile, testing, q, k, v, randn(*q.shape), kw, reruns)

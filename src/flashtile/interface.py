@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .autograd import attention
-from .ops.common import PACK_KV, PACK_NONE, PACK_QKV
+from .ops.common import PACK_KV, PACK_NONE, PACK_QKV, call, unpack
+from .ops.dropout import draw_rng, dropout_probs
 from .ops.hopper import HOPPER_PATH, TRITON, hopper_unsupported
 from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
@@ -29,13 +30,23 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
-    out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
-                         p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap, packing)
+    rng = draw_rng(q.device) if p.dropout_p > 0.0 else None  # Note [dropout seed] in ops/dropout.py
+    out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng,
+                         p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap,
+                         p.dropout_p, packing)
     out = out[..., :p.head_dim] if out.shape[-1] != p.head_dim else out
-    if return_attn_probs:
-        # S_dmask is the dropout mask in flash-attn; without dropout it is an empty tensor there too.
+    if not return_attn_probs:
+        return out
+    if rng is None:  # without dropout flash-attn returns an empty S_dmask too
         return out, lse, torch.empty(0, dtype=out.dtype, device=out.device)
-    return out
+    if block_table is not None:
+        raise NotImplementedError("return_attn_probs with dropout_p > 0 and a paged KV cache (block_table): S_dmask "
+                                  "is computed for contiguous k only")
+    qu, ku, _ = unpack(q, k, v, packing)
+    s_dmask = call(dropout_probs, qu.detach(), ku.detach(), lse, rng, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                   seqused_k, alibi_slopes, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right,
+                   p.softcap, p.dropout_p)
+    return out, lse, s_dmask
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -49,7 +60,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             nheads must be a multiple of nheads_k (MQA/GQA): query head h uses key/value head h // (nheads /
             nheads_k). fp16, bf16 or fp32; unit stride in the last dimension, any other strides. headdim <= 256
             (multiples of 8 run natively, others are zero-padded).
-        dropout_p: must be 0.0 (dropout is not supported yet; a non-zero value raises NotImplementedError).
+        dropout_p: dropout probability in [0, 1) (training): out = (dropout(P) / (1 - dropout_p)) v with P the
+            softmax, as flash-attn 2. The mask is drawn in the kernels from the generator of q's device (each call
+            advances it; `torch.manual_seed` reproduces a run), and the backward regenerates it. Pass 0.0 in
+            evaluation.
         softmax_scale: scaling of qkᵀ before the softmax; default 1 / sqrt(headdim).
         causal: causal mask, aligned to the bottom-right corner of the attention matrix when seqlen_q != seqlen_k.
             For seqlen_q = 2, seqlen_k = 5 (1 = visible):
@@ -69,18 +83,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             the score of query i and key j.
         deterministic: accepted for compatibility. flashtile's backward is always bitwise reproducible: it sums
             no gradient with atomics (atomic-dQ schedules measured 1.5-3x slower on H200; docs/design/backward.md).
-        return_attn_probs: if True, also return softmax_lse and an empty S_dmask (testing only).
+        return_attn_probs: if True, also return softmax_lse and S_dmask (testing only).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (batch_size, nheads, seqlen_q), float32, natural log of the row sums
             of exp(scores); +inf for rows with no visible key.
-        S_dmask [if return_attn_probs]: an empty tensor (there is no dropout mask).
+        S_dmask [if return_attn_probs]: without dropout an empty tensor; with dropout (batch_size, nheads,
+            seqlen_q rounded up to 128, seqlen_k rounded up to 128), float32: P where the entry is kept,
+            -max(P, 1.2e-38) where it is dropped (so `S_dmask >= 0` is the keep mask), 0 past the lengths; an extra
+            pass, for tests.
     """
     p = dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
     return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic)
 
 
-def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> dict:
+def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0) -> dict:
     """Which kernels `flash_attn_func(q, k, v, ...)` with these arguments runs, forward and backward.
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
@@ -90,9 +107,9 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     computed.
     `last_kernel_paths()` says what the last call ran.
     """
-    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, 0.0)
+    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
-        q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi)
+        q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0)
     path = TRITON if reason else HOPPER_PATH
     return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
 
@@ -157,7 +174,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             flash-attn sizes its grid with them; flashtile does not need them (its grid is a list of the
             sequences' tiles, built on the device), so a wrong value changes nothing. They are still checked
             with the other values, for code that must also run on flash-attn.
-        dropout_p: must be 0.0 (a non-zero value raises NotImplementedError).
+        dropout_p: dropout probability in [0, 1), as `flash_attn_func`.
         softmax_scale: scaling of qkᵀ before the softmax; default 1 / sqrt(headdim).
         causal: causal mask, aligned bottom-right within each sequence. A row with no visible key outputs 0.
         window_size: (left, right); -1 or None means unbounded. Query i of a sequence attends to its keys j with
@@ -165,7 +182,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softcap: if > 0, scores (already scaled) become softcap * tanh(score / softcap).
         alibi_slopes: (nheads,) or (batch_size, nheads), float32. Adds -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: accepted for compatibility; the backward is always bitwise reproducible.
-        return_attn_probs: if True, also return softmax_lse and an empty S_dmask (testing only).
+        return_attn_probs: if True, also return softmax_lse and S_dmask (testing only; as `flash_attn_func`,
+            with the rounded max_seqlen_q and max_seqlen_k).
         block_table [optional]: (batch_size, max_num_blocks_per_seq), int32. Key row r of sequence b lives in
             row r % page_block_size of page block_table[b, r // page_block_size] of k and v. Entries past a
             sequence's keys are never read. Paged K/V has no backward (NotImplementedError): it is for inference.
@@ -185,7 +203,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out: (total_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32, natural log of the row sums of
             exp(scores); +inf for rows with no visible key.
-        S_dmask [if return_attn_probs]: an empty tensor (there is no dropout mask).
+        S_dmask [if return_attn_probs]: as `flash_attn_func`, (batch_size, nheads, max_seqlen_q rounded up to 128,
+            max_seqlen_k rounded up to 128); empty without dropout.
     """
     p = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        window_size, softcap, alibi_slopes, dropout_p, seqused_q, seqused_k, block_table)

@@ -52,6 +52,7 @@ class AttnProblem:
     alibi: bool
     varlen: bool = False
     paged: bool = False  # varlen only: k/v are paged caches read through a block table
+    dropout_p: float = 0.0  # probability of dropping an attention probability (training)
 
     @property
     def causal(self) -> bool:
@@ -67,12 +68,12 @@ def pad_head_dim(d: int) -> int:
 
 
 def kernel_flags(window_left: int, window_right: int, softcap: float, has_alibi: bool,
-                 varlen: bool, seqused_q: bool, seqused_k: bool, dtype: torch.dtype) -> dict:
+                 varlen: bool, seqused_q: bool, seqused_k: bool, dtype: torch.dtype, dropout_p: float = 0.0) -> dict:
     """The constexpr flags every attention kernel specialises on; the single source of the compile key."""
     return dict(
         IS_VARLEN=varlen, HAS_SEQUSED_Q=seqused_q, HAS_SEQUSED_K=seqused_k,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-        HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=has_alibi,
+        HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=has_alibi, HAS_DROPOUT=dropout_p > 0.0,
         UPCAST=env.INTERPRET and dtype == torch.bfloat16,
         # fp32 inputs get true fp32 products, not Triton's default tf32 (fp32 is for accuracy, not speed).
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -119,12 +120,17 @@ def _window_entry(w, window_size) -> int:
         raise TypeError(f"window_size entries must be integers or None, got {type(w).__name__} {w!r}") from None
 
 
+def check_dropout(dropout_p) -> float:
+    """flash-attn's rule: a probability in [0, 1) (1 would drop every entry and divide by 0)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:  # NaN fails too
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p if isinstance(dropout_p, torch.SymFloat) else float(dropout_p)
+
+
 def check_scalar_args(dropout_p: float, softmax_scale, softcap: float, head_dim: int) -> float:
-    if dropout_p != 0.0:
-        if not 0.0 < dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-        raise NotImplementedError(
-            "dropout_p > 0 is not supported by flashtile yet; pass dropout_p=0.0. It is never silently ignored.")
+    check_dropout(dropout_p)
     # Comparisons rather than math.isfinite (NaN fails them too): under torch.compile(dynamic=True) these floats
     # can be symbolic, and math.isfinite would break the graph.
     if softcap is None or not 0.0 <= softcap < math.inf:
@@ -231,7 +237,7 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
     check_alibi(alibi_slopes, batch, nheads, q.device)
     left, right = normalize_window(causal, window_size)
     return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q.dtype, softmax_scale,
-                       left, right, float(softcap), alibi_slopes is not None, varlen, paged)
+                       left, right, float(softcap), alibi_slopes is not None, varlen, paged, check_dropout(dropout_p))
 
 
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

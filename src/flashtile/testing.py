@@ -24,9 +24,13 @@ def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
 
 
 def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                  softmax_scale=None, upcast=True, return_probs=False):
+                  softmax_scale=None, upcast=True, return_probs=False, dropout_mask=None, dropout_p=0.0):
     """Attention computed the plain way. q (B, Sq, H, D), k/v (B, Sk, Hk, D); returns (out, lse), and the
     probabilities P (B, H, Sq, Sk) too with return_probs (for accumulation_floor).
+
+    dropout_mask (B, H, Sq, Sk), bool (e.g. `S_dmask >= 0` of the call under test, cropped): P becomes
+    P * mask / (1 - dropout_p) before it multiplies v (flash-attn 2's dropout); lse is the undropped softmax's, and
+    the returned probabilities are the dropped ones.
 
     upcast=True computes in float64 (the oracle); upcast=False computes in the input dtype, which is the
     "PyTorch doing the same math" baseline of the tolerance rule. out has q's dtype; lse (B, H, Sq) is float64 for
@@ -56,6 +60,8 @@ def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alib
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    if dropout_mask is not None:
+        attn = attn.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhts,bshd->bthd", attn, v)
     # The oracle's LSE stays in float64: rounded to float32 it would differ from PyTorch's own float32 LSE by
     # nothing and from the kernels' by an ulp, a verdict decided by rounding.

@@ -14,7 +14,8 @@ unsupported, not an error.
     flex            compiled flex         contiguous cache               document block mask
 
 The backward modes (fwdbwd, varlenbwd) go through each backend's autograd from the same random dout; a backend
-whose backward raises NotImplementedError for the case is reported unsupported, like a missing feature.
+whose backward raises NotImplementedError for the case is reported unsupported, like a missing feature. A case
+with dropout_p > 0 runs on the backends that take dropout (flashtile, fa2, SDPA's flash, efficient and math).
 
 What this module does not do: time, check numerics, or rank backends (run.py, refcheck.py, report.py).
 """
@@ -93,6 +94,8 @@ def _flash_api(module: str, page_multiple: int = 1):
 
     def setup(case: Case, inputs: Inputs) -> Prepared:
         kw = {"causal": case.causal, "window_size": case.window_size, "softcap": case.softcap}
+        if case.dropout_p:
+            kw["dropout_p"] = case.dropout_p
         if case.mode == "decode":
             (fn,) = _api(module, "flash_attn_with_kvcache")
             if case.page_size % page_multiple:
@@ -115,6 +118,8 @@ def _flash_api(module: str, page_multiple: int = 1):
 
 def _setup_fa4(case: Case, inputs: Inputs) -> Prepared:
     """FlashAttention-4 (CuTe DSL): an unbounded window side is None rather than -1; it returns (out, lse)."""
+    if case.dropout_p:
+        raise Unsupported("FlashAttention-4 has no dropout")
     func, varlen_func = _api("flash_attn.cute", "flash_attn_func", "flash_attn_varlen_func")
     kw = {"causal": case.causal, "window_size": tuple(None if w < 0 else w for w in case.window_size)}
     if case.softcap:
@@ -175,6 +180,10 @@ def _sdpa(kernel_name: str):
         if kernel == SDPBackend.MATH and scores > MATH_MAX_SCORES:
             raise Unsupported(f"math backend only up to {MATH_MAX_SCORES:.2g} scores")
         kw = {"enable_gqa": True} if case.nheads_kv != case.nheads else {}
+        if case.dropout_p:
+            if kernel == SDPBackend.CUDNN_ATTENTION:
+                raise Unsupported("dropout not wired up for the cuDNN backend")
+            kw["dropout_p"] = case.dropout_p
 
         def fwd(q, k, v):
             with sdpa_kernel(kernel):
@@ -218,6 +227,8 @@ def _compiled_flex():
 def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if case.dropout_p:
+        raise Unsupported("FlexAttention has no dropout")
     if case.page_size:
         raise Unsupported("paged KV not wired up for Flex")
     if case.cache_lengths:

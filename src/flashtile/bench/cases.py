@@ -18,6 +18,8 @@ The GPU sweeps:
 - varlen-baseline (modes fwd, fwdbwd, in the varlen preset): dense, d128, hidden 2048, 16k tokens, S = 1k and
   4k. Varlen's TFLOP/s is compared with dense's at the mix's lengths, so the varlen preset
   times both in the same run: one commit, one machine state, no ratio across runs.
+- dropout (mode fwdbwd, the dropout preset): dense, d64 and d128, S = 1k, 4k, 16k, causal and not, each at
+  dropout_p 0 and 0.1 in the same run, so that dropout's cost is read on the same kernels.
 Without a GPU the same sweeps run at toy sizes through the Triton interpreter.
 
 What this module does not do: allocate tensors (inputs.py) or count FLOPs (metrics.py).
@@ -45,6 +47,7 @@ PRESETS = {
     "decode": (("decode", "decode"), ("decode", "decode-mixed")),
     "varlen": (("varlen", "varlen"), ("fwd", "varlen-baseline"), ("varlenbwd", "varlen"),
                ("fwdbwd", "varlen-baseline")),
+    "dropout": (("fwdbwd", "dropout"),),
     "all": tuple(MODE_SWEEPS.items()),
 }
 
@@ -72,6 +75,7 @@ class Case:
     page_size: int = 0  # decode: tokens per KV page; 0 = contiguous cache
     seqlens: tuple[int, ...] = ()  # varlen: per-sequence lengths
     cache_lengths: tuple[int, ...] = ()  # decode: tokens in each sequence's cache (seqlen_k is the capacity)
+    dropout_p: float = 0.0  # fwd, fwdbwd and varlen modes; decode has none
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -109,6 +113,8 @@ class Case:
             parts.append("window {},{}".format(*self.window_size))
         if self.softcap:
             parts.append(f"softcap {self.softcap:g}")
+        if self.dropout_p:
+            parts.append(f"dropout {self.dropout_p:g}")
         if self.mode == "decode":
             parts.append(f"page {self.page_size}" if self.page_size else "contiguous")
         return " ".join(parts)
@@ -138,6 +144,7 @@ class Shapes:
     page_size: tuple[int, ...] = (0,)  # decode only
     seqlens: tuple[int, ...] = ()  # varlen only
     cache_lengths: tuple[int, ...] = ()  # decode only: one sequence per entry, replacing batch and seqlen_k
+    dropout: tuple[float, ...] = (0.0,)
 
 
 GPU_SHAPES = {
@@ -150,6 +157,7 @@ GPU_SHAPES = {
                            cache_lengths=DECODE_MIX),
     "varlen": Shapes(head_dim=(128,), seqlens=VARLEN_MIX),
     "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 2048, 4096)),
+    "dropout": Shapes(head_dim=(64, 128), seqlen_q=(1024, 4096, 16384), dropout=(0.0, 0.1)),
 }
 # Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU.
 CPU_SHAPES = {
@@ -162,6 +170,7 @@ CPU_SHAPES = {
                            cache_lengths=(200, 7, 64)),
     "varlen": Shapes(head_dim=(64,), seqlens=(64, 17, 113), heads=(2,)),
     "varlen-baseline": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,)),
+    "dropout": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,), causal=(True,), dropout=(0.0, 0.1)),
 }
 
 
@@ -181,9 +190,9 @@ def preset_runs(preset: str, modes=None) -> list[tuple[str, str]]:
 
 
 def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1),
-                softcap=0.0) -> list[Case]:
+                softcap=0.0, dropout_p=None) -> list[Case]:
     """Every case of `runs`, (mode, sweep) pairs, in order: run, head dim, causal, (query length, page size),
-    the rest.
+    the rest. `dropout_p` replaces the sweeps' dropout axis.
     """
     cases = []
     for mode, sweep in runs:
@@ -194,13 +203,14 @@ def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1
         pages = s.page_size if mode == "decode" else (0,)
         axes = itertools.product(
             s.head_dim, s.causal, seqlen_q, pages, s.seqlen_k or (None,), s.batch or (None,),
-            s.heads or (None,), s.kv_heads or (None,),
+            s.heads or (None,), s.kv_heads or (None,), s.dropout,
         )
-        for d, causal, sq, page, sk, b, h, hk in axes:
+        for d, causal, sq, page, sk, b, h, hk, p in axes:
             sk = sq if seqlens or sk is None else sk
             sk = max(lengths) if lengths else sk
             h = h or max(1, s.hidden // d)
             b = len(seqlens or lengths) or b or max(1, s.tokens // (sk if mode == "decode" else sq))
             cases.append(Case(mode, b, sq, sk, h, hk or h, d, dtype, causal, tuple(window_size), softcap,
-                              page, seqlens, lengths))
+                              page, seqlens, lengths,
+                              0.0 if mode == "decode" else dropout_p if dropout_p is not None else p))
     return cases

@@ -31,6 +31,8 @@ def _panel(r: dict) -> tuple[tuple, int, str, str]:
         extras.append(f"window ({r['window_left']}, {r['window_right']})")
     if r["softcap"]:
         extras.append(f"softcap {r['softcap']:g}")
+    if r.get("dropout_p"):
+        extras.append(f"dropout {r['dropout_p']:g}")
     if r["mode"] == "decode":
         q = f"{r['seqlen_q']} query token" + ("s" if r["seqlen_q"] > 1 else "")
         page = f"page size {r['page_size']}" if r["page_size"] else "contiguous cache"

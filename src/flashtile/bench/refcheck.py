@@ -71,7 +71,7 @@ def build_reference(case: Case, inputs: Inputs) -> Reference | None:
     from flashtile.testing import attention_ref, rounding_atol
 
     slices = _slices(case)
-    if slices is None:
+    if slices is None or case.dropout_p:  # each backend draws its own mask: outputs differ by design
         return None
     batches, q_heads, kv_heads = slices
     kw = {"causal": case.causal, "window_size": case.window_size, "softcap": case.softcap}

@@ -40,7 +40,8 @@ Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys 
 (descriptor zero-fill) and are masked where they could reach a stored value. Varlen dK/dV and dQ grids are tile
 lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); delta is written
 only for the rows each sequence uses, which are the only rows dK/dV reads. Offsets that can pass 2^31 elements
-are int64, as in the forward. Does not do dropout or paged K/V.
+are int64, as in the forward. HAS_DROPOUT regenerates the forward's mask (Note [dropout mask] in dropout.py).
+Does not do paged K/V.
 
 Memory: each kernel holds two tiles for its whole loop (K and V in dK/dV, Q and dO in dQ; dQ reads O once more
 for delta) and streams two others.
@@ -58,6 +59,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .dropout import dropout_state, keep_mask
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
 from .seqlen import DESC_PACKED, DESC_ROW, load_once, load_rows, row_desc, seq_info, store_once, tile_coords
 
@@ -74,10 +76,11 @@ def _wait_delta(ready, rows):
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
                     seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                    seed, stream, bh, threshold, drop_scale, n_start,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -95,8 +98,15 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
         if MASKED:
             s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False)
         pT = tl.math.exp2(s2T - lse2[None, :])
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dP = Z ∘ (dO Vᵀ); delta = rowsum(dO ∘ O)
+            # is unchanged (Note [dropout mask] in dropout.py).
+            keepT = tl.trans(keep_mask(seed, stream, bh, rows[:, None], n_start, threshold, BLOCK_M, j.shape[0]))
+            dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
@@ -108,8 +118,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
 # cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
-    qk_scale, softcap2, softmax_scale,
+    Q, K, V, DO, DK, DV, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, RNG,
+    qk_scale, softcap2, softmax_scale, dropout_p,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -121,7 +131,8 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
     b, pid_n, hk, heads_kv = tile_coords(SCHEDULE, batch, BLOCK_N, False, IS_VARLEN, STEP)
@@ -147,6 +158,9 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    if HAS_DROPOUT:
+        seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
     for g in range(GROUP):
         h = hk * GROUP + g
         h64 = h.to(tl.int64)
@@ -161,14 +175,17 @@ def _bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream,
+                                 b * heads_kv * GROUP + h, threshold, drop_scale, n_start, BLOCK_M, True,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, False,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream,
+                                 b * heads_kv * GROUP + h, threshold, drop_scale, n_start, BLOCK_M, False,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, BLOCK_M, True,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream,
+                                 b * heads_kv * GROUP + h, threshold, drop_scale, n_start, BLOCK_M, True,
+                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     store_once(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh, n_start, seqlen_k, stride_dkn,
                dk * softmax_scale, HEAD_DIM)
     store_once(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh, n_start, seqlen_k, stride_dvn,
@@ -181,11 +198,11 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, hi,
-                  seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                  seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr,
                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k = load_rows(k_src, k_start, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
@@ -206,6 +223,9 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as in _bwd_dkdv_inner
+            keep = keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -217,8 +237,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
 # cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, O, DQ, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE,
-    qk_scale, softcap2, softmax_scale,
+    Q, K, V, DO, O, DQ, LSE, DELTA, READY, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, RNG,
+    qk_scale, softcap2, softmax_scale, dropout_p,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -230,8 +250,8 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, STEP: tl.constexpr, LISTED: tl.constexpr,
-    DESC: tl.constexpr, PUBLISH: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    STEP: tl.constexpr, LISTED: tl.constexpr, DESC: tl.constexpr, PUBLISH: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -276,6 +296,10 @@ def _bwd_dq_kernel(
         slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
     diag = seqlen_k - seqlen_q
     i = offs_m[:, None]
+    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    if HAS_DROPOUT:
+        seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
+    bh = b * heads + h
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                                               BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -285,15 +309,18 @@ def _bwd_dq_kernel(
     # registers get moved; docs/design/hopper-pipeline.md). Unmasked tiles often have no masked tail.
     if MASK_LEFT:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, full_lo, seqlen_k, diag,
-                           wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
-                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                           wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                           BLOCK_N, BLOCK_D, DESC, True,
+                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_lo, full_hi, seqlen_k, diag,
-                       wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, False,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                       wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                       BLOCK_N, BLOCK_D, DESC, False,
+                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     if full_hi < hi:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_hi, hi, seqlen_k, diag,
-                           wl, wr, qk_scale, softcap2, slope2, BLOCK_N, BLOCK_D, DESC, True,
-                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                           wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                           BLOCK_N, BLOCK_D, DESC, True,
+                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     store_once(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh, m_start, seqlen_q, stride_dqm,
                dq * softmax_scale, HEAD_DIM)
     if PUBLISH:

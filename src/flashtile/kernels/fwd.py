@@ -23,7 +23,8 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits):
 Writes O once and the log-sum-exp in natural-log units (B, H, Sq) or (H, total_q); never materialises the
 Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shapes (reads past them are zeros and
 writes are dropped) plus a key mask on the last key block; paged loads mask rows past seqlen_k instead, and never
-read a block-table entry for them. Does not do dropout.
+read a block-table entry for them. HAS_DROPOUT drops probabilities after the softmax state has counted them (the
+LSE is the undropped softmax's) and scales O by 1 / (1 - p): Note [dropout mask] in dropout.py.
 
 Grid: dense (query tiles, query heads, B); varlen (query heads, query-tile list), the tiles of every sequence in one
 list ordered longest first (Notes [varlen tile list] and [longest sequences first] in seqlen.py; heads fastest as in
@@ -35,6 +36,7 @@ would no longer fit on sm_90).
 import triton
 import triton.language as tl
 
+from .dropout import dropout_state, keep_mask
 from .kvcache import cache_coords
 from .masking import LOG2E, apply_mask, kv_block_range, logits
 from .seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW, load_rows, row_desc, seq_info, store_rows, tile_coords
@@ -67,10 +69,10 @@ def _load_kv(src, start, start_n, b, hk, page, off, stride_page, stride_row, row
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages,
-               stride_kb, stride_kn, stride_vb, stride_vn,
+               stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, bh, threshold,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                PAGED: tl.constexpr, DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -101,6 +103,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
         if MASKED:
             s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
         p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
+        if HAS_DROPOUT:
+            p = tl.where(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), p, 0.0)
         v = _load_kv(v_src, k_start, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, d,
                      PAGED, DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
         if MASKED and DESC == DESC_PACKED:
@@ -115,8 +119,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
 # cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE,
-    qk_scale, softcap2,
+    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE, RNG,
+    qk_scale, softcap2, dropout_p,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -128,11 +132,11 @@ def _attn_fwd_kernel(
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
-    b, pid_m, h, _ = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP)
+    b, pid_m, h, heads = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP)
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K, not PAGED)
@@ -170,6 +174,9 @@ def _attn_fwd_kernel(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
+    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    if HAS_DROPOUT:
+        seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
 
     q = load_rows(q_src, q_start, m_start, b, h, DESC, BLOCK_M, BLOCK_D)
     if UPCAST:
@@ -185,24 +192,26 @@ def _attn_fwd_kernel(
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
-                               stride_kb, stride_kn, stride_vb, stride_vn,
+                               stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
                                BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_lo, full_hi,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
-                               stride_kb, stride_kn, stride_vb, stride_vn,
+                               stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
                                BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_hi, hi,
                                seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
-                               stride_kb, stride_kn, stride_vb, stride_vn,
+                               stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
                                BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
 
     out, lse = finalize(acc, l_i, m_i)
+    if HAS_DROPOUT:
+        out = out * drop_scale
     store_rows(o_src, m_start, b, h, out, DESC_ROW if DESC == DESC_PACKED else DESC)
     tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)

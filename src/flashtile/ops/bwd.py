@@ -70,22 +70,25 @@ def attention_bwd(
     out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    rng: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, packing: int,
+    softcap: float, dropout_p: float, packing: int,
 ) -> list[torch.Tensor]:
-    """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv]."""
-    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                    max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing)
+    """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv]. With dropout_p > 0, rng is the
+    forward's: the kernels regenerate its mask."""
+    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng,
+                    max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing)
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q,
-             max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing,
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng,
+             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
              plan: Optional[Plan] = None) -> list[torch.Tensor]:
     """attention_bwd's implementation. `plan`: the forward's (ops/fwd.forward), used for whatever lists of this
     backward's it holds (Note [one plan per step]); a plan may serve one backward only (its dK/dV work counter)."""
     grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
-    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, max_seqlen_q,
-                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing, dout, out, lse)
+    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, rng, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing, dout, out,
+                   lse)
     q, k, v, dout, out, varlen = p.q, p.k, p.v, p.dout, p.out, p.varlen
     if seqused_q is not None:
         dq.zero_()  # rows past seqused_q[b] are ignored by the forward; their gradient is 0
@@ -130,11 +133,11 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         kd, vd = k, v
     pdl = p.pdl
     seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    scalars = (qk_scale, softcap2, softmax_scale)
+    scalars = (qk_scale, softcap2, softmax_scale, p.dropout_p)
 
     def static(kernel):
         flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
-                             p.seqused_q is not None, p.seqused_k is not None, q.dtype)
+                             p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p)
         constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
         if kernel == "bwd_dq":
             constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed, DESC=desc,
@@ -168,20 +171,20 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     with keep_scratch():
         launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
                (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
-                None if plan is None else plan.last_first if listed else plan.schedule, *scalars),
-               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
+                None if plan is None else plan.last_first if listed else plan.schedule, p.rng, *scalars),
+               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS, dropout=p.dropout_p > 0.0)
         record("bwd_dq", TRITON)
         launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, fp32, key,
                (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
-                None if plan_k is None else plan_k.schedule, *scalars),
-               lambda: static("bwd_dkdv"), pdl=pdl)
+                None if plan_k is None else plan_k.schedule, p.rng, *scalars),
+               lambda: static("bwd_dkdv"), pdl=pdl, dropout=p.dropout_p > 0.0)
     record("bwd_dkdv", TRITON)
     return grads
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q,
-      max_seqlen_k, softmax_scale, window_left, window_right, softcap, packing):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng, max_seqlen_q,
+      max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
     if packing == PACK_QKV:
         return [q.new_empty(q.shape)]
     if packing == PACK_KV:

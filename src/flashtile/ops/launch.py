@@ -198,7 +198,8 @@ def head_dims(head_dim: int) -> dict:
 # What a tuned config may depend on: the head dim, the dtype (Triton adds argument dtypes to the key itself) and
 # the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
 # problem class serves every length.
-_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI"]
+_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI",
+             "HAS_DROPOUT"]
 
 
 @functools.cache
@@ -209,7 +210,7 @@ def _autotuned(kernel, name: str, pre_hook):
 
 
 def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, static: Callable[[], Static],
-           pre_hook=None, pdl: bool = False) -> None:
+           pre_hook=None, pdl: bool = False, dropout: bool = False) -> None:
     """Launch `kernel(*dynamic, *static().args, **static().constexprs)` with the tile config of `name`
     (config.py; `fp32`: for fp32 inputs) on static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note
     [launch cache]) when `key` is not None (it fixes the inputs' dtype).
@@ -223,7 +224,7 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
     """
     if _capture.launches is not None:
         s = static()
-        cfg = tile_config(name, head_dim, fp32)
+        cfg = tile_config(name, head_dim, fp32, dropout)
         options = launch_opts(cfg) | ({"launch_pdl": True} if pdl else {})
         _capture.launches.append(Launch(kernel, _grid(s, cfg), (*dynamic, *s.args), s.constexprs | cfg.kwargs() |
                                         options))
@@ -240,13 +241,14 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
         if entry is not None:
             if env.INTERPRET or env.debug_checks():
                 s = static()
-                _check(kernel, entry, dynamic, s.args, s.constexprs, _grid(s, tile_config(name, head_dim, fp32)))
+                _check(kernel, entry, dynamic, s.args, s.constexprs,
+                       _grid(s, tile_config(name, head_dim, fp32, dropout)))
             _launch_cached(kernel, device, entry, dynamic)
             return
     else:
         full_key = None
     s = static()
-    cfg = tile_config(name, head_dim, fp32)
+    cfg = tile_config(name, head_dim, fp32, dropout)
     constexprs = s.constexprs | cfg.kwargs()
     n_args = len(dynamic) + len(s.args)
     names = kernel.arg_names

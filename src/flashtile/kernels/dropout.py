@@ -1,0 +1,101 @@
+"""Attention dropout: which probabilities of a tile survive, drawn from a counter-based RNG, so that the backward
+regenerates the forward's mask from the call's seed and each entry's position, with no mask stored.
+
+Note [dropout mask]: entry (i, j) of (sequence b, query head h) survives iff a 16-bit random number u(b, h, i, j)
+is at least threshold = round(p * 65536), so it is dropped with probability threshold / 65536, within 2^-17 of p.
+Survivors are scaled by 1 / (1 - p) (flash-attn 2's semantics; the LSE is that of the softmax before dropout). u
+comes from Philox4x32 with 7 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011: the
+fewest rounds that pass BigCrush, with the round keys of Random123) keyed by the call's 64-bit seed, whose
+counter is (j // 8, i, b * H + h, stream): one call gives 4 x 32 bits, eight 16-bit numbers, for the eight keys
+8 * (j // 8) + [0, 8) of one query. So the mask depends on (seed, stream, b, h, i, j) alone, never on a kernel's
+tile shape or its orientation (the dK/dV kernel's tiles are keys x queries and transpose it): the forward, both
+backward kernels and the testing kernel below regenerate the same bits. i and j count from the start of their
+sequence (varlen too). Tiles start at multiples of 8 keys.
+
+`dropout_probs_kernel` writes S_dmask for `return_attn_probs=True` (testing only, one slow pass): the
+probabilities exp(s - lse) of every visible entry, negated where dropped; see ops/dropout.py for the layout.
+"""
+
+import triton
+import triton.language as tl
+
+from .masking import LOG2E, apply_mask, logits
+from .seqlen import seq_info
+
+PHILOX_ROUNDS = tl.constexpr(7)
+TINY = tl.constexpr(1.1754943508222875e-38)  # the least normal fp32: a dropped zero probability is -TINY
+
+
+@triton.jit
+def dropout_state(RNG, dropout_p):
+    """(seed, stream, threshold, scale) of a call: the two int64 its op drew from PyTorch's generator
+    (ops/dropout.py), the 16-bit threshold a surviving entry's number reaches, and 1 / (1 - p)."""
+    seed = tl.load(RNG)
+    stream = tl.load(RNG + 1).to(tl.int32)
+    threshold = tl.cast(dropout_p * 65536.0 + 0.5, tl.int32)
+    return seed, stream, threshold, 1.0 / (1.0 - dropout_p)
+
+
+@triton.jit
+def keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) booleans: entry (i[r], n_start + c) survives (Note [dropout mask]). i: (BLOCK_M, 1) query
+    rows within the sequence; n_start: a multiple of 8, the tile's first key within the sequence; bh: b * H + h."""
+    tl.static_assert(BLOCK_N % 8 == 0, "dropout draws eight keys per Philox call")
+    GROUPS: tl.constexpr = BLOCK_N // 8
+    zero = tl.zeros([BLOCK_M, GROUPS], dtype=tl.int32)
+    groups = (n_start // 8 + tl.arange(0, GROUPS))[None, :] + zero
+    r0, r1, r2, r3 = tl.philox(seed, groups, i + zero, bh + zero, stream + zero, PHILOX_ROUNDS)
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, G, 2, 2): word w = 2 * a + b of key group g
+    halves = tl.join(words & 0xFFFF, words >> 16)  # (M, G, 2, 2, 2): key 8 * g + 2 * w + half
+    u = tl.reshape(halves, [BLOCK_M, BLOCK_N])
+    return u.to(tl.int32) >= threshold
+
+
+@triton.jit
+def dropout_probs_kernel(
+    Q, K, LSE, S, ALIBI, RNG, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+    qk_scale, softcap2, dropout_p,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_lb, stride_lh, stride_sb, stride_sh, stride_sm, stride_ab,
+    seqlen_q: tl.int32, seqlen_k: tl.int32, nheads: tl.int32, group: tl.int32, wl: tl.int32, wr: tl.int32,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """S[b, h, i, j] = P[i, j] if entry (i, j) survives dropout, else -max(P[i, j], TINY); 0 outside the
+    sequence's seqlen_q x seqlen_k. Grid (query tiles, key tiles, B * H) over S's rounded shape."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
+    k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K)
+    b64 = b.to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b64 * stride_qb + (q_start + rows.to(tl.int64))[:, None] * stride_qm
+                + h.to(tl.int64) * stride_qh + d[None, :], mask=(rows < seqlen_q)[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0)
+    k = tl.load(K + b64 * stride_kb + (k_start + cols.to(tl.int64))[:, None] * stride_kn
+                + hk.to(tl.int64) * stride_kh + d[None, :], mask=(cols < seqlen_k)[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0)
+    qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    i = rows[:, None]
+    j = cols[None, :]
+    diag = seqlen_k - seqlen_q
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
+    s2, _ = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+    s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+    lse2 = tl.load(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + rows, mask=rows < seqlen_q,
+                   other=float("inf")) * LOG2E
+    p = tl.math.exp2(s2 - lse2[:, None])
+    seed, stream, threshold, _ = dropout_state(RNG, dropout_p)
+    keep = keep_mask(seed, stream, b * nheads + h, i, pid_n * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+    value = tl.where(keep, p, -tl.maximum(p, TINY))
+    value = tl.where((i < seqlen_q) & (j < seqlen_k), value, 0.0)
+    tl.store(S + b64 * stride_sb + h.to(tl.int64) * stride_sh + rows.to(tl.int64)[:, None] * stride_sm + j, value)

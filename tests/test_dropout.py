@@ -1,0 +1,220 @@
+"""Dropout, as flash-attn 2 does it (Note [dropout mask] in kernels/dropout.py, Note [dropout seed] in
+ops/dropout.py): forward and backward against the fp64 reference that applies the mask the call returns in S_dmask
+(2x / 3x PyTorch's error rule), the mask's statistics, its reproducibility and independence, and the argument's
+rules. Inputs are carved out of NaN-filled buffers."""
+
+import math
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded
+
+P = 0.17
+
+
+def _rounded(n):
+    return -(-n // 128) * 128
+
+
+def _check(q, k, v, dout, out, lse, grads, keep, p, **kw):
+    """The 2x / 3x rule against attention_ref with the keep mask; q, k, v, dout (B, S, H, D)."""
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse, probs = attention_ref(*ref_in, **kw, dropout_mask=keep, dropout_p=p, return_probs=True)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
+    floors = accumulation_floor(q, k, v, dout, ref_out, probs)
+    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    pt_out, pt_lse = attention_ref(*pt_in, **kw, upcast=False, dropout_mask=keep, dropout_p=p)
+    pt_grads = torch.autograd.grad(pt_out, pt_in, dout)
+    check_close("out", out, ref_out, pt_out, 2, floor=floors["out"])
+    check_close("lse", lse, ref_lse, pt_lse.to(q.dtype), 2, floor=floors["lse"])
+    scale = max(g.abs().max().item() for g in ref_grads)
+    for name, ours, ref, pt in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        check_close(name, ours, ref, pt, 3, scale, floor=floors[name])
+    return probs
+
+
+def dropout_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, p=P, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    q = nan_guarded((batch, seqlen_q, nheads, head_dim), dtype, device, g)
+    k = nan_guarded((batch, seqlen_k, nheads_kv, head_dim), dtype, device, g)
+    v = nan_guarded((batch, seqlen_k, nheads_kv, head_dim), dtype, device, g)
+    dout = torch.randn(batch, seqlen_q, nheads, head_dim, generator=g).to(device, dtype)
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse, s_dmask = flashtile.flash_attn_func(*inputs, dropout_p=p, return_attn_probs=True, **kw)
+    grads = torch.autograd.grad(out, inputs, dout)
+    assert s_dmask.shape == (batch, nheads, _rounded(seqlen_q), _rounded(seqlen_k))
+    assert s_dmask.dtype == torch.float32
+    assert not s_dmask[:, :, seqlen_q:].any() and not s_dmask[:, :, :, seqlen_k:].any()
+    s = s_dmask[:, :, :seqlen_q, :seqlen_k]
+    keep = s >= 0
+    probs = _check(q, k, v, dout, out, lse, grads, keep, p, **kw)
+    # Magnitudes: the undropped softmax's probabilities (module docstring of ops/dropout.py).
+    undropped = probs * (1 - p)
+    undropped = torch.where(keep, undropped, attention_ref(*(t.double() for t in (q, k, v)), **kw,
+                                                           return_probs=True)[2])
+    assert torch.allclose(s.abs().double(), undropped.clamp_min(1.1754943508222875e-38), rtol=5e-3, atol=2e-3)
+    return keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("seqlens", [(33, 65), (65, 33), (1, 70)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_dropout_against_the_reference(device, mask, seqlens, dtype):
+    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(8, 4))}[mask]
+    dropout_case(device, 2, *seqlens, 2, 2, 32, dtype, **kw)
+
+
+@pytest.mark.parametrize("features", ["gqa", "softcap_alibi", "causal_window", "head_dim_40"])
+def test_dropout_with_other_features(device, features):
+    if features == "gqa":
+        dropout_case(device, 2, 40, 56, 4, 2, 32, torch.float16, causal=True)
+    elif features == "softcap_alibi":
+        slopes = torch.rand(2, 2, generator=torch.Generator().manual_seed(3)).to(device) * 0.3
+        dropout_case(device, 2, 33, 47, 2, 2, 32, torch.float16, softcap=5.0, alibi_slopes=slopes)
+    elif features == "causal_window":
+        dropout_case(device, 1, 70, 50, 2, 1, 64, torch.bfloat16, causal=True, window_size=(12, -1))
+    else:
+        dropout_case(device, 1, 29, 31, 2, 2, 40, torch.float16)
+
+
+def test_dropout_varlen_and_packed(device):
+    """flash_attn_varlen_func: S_dmask is (B, H, max_seqlen_q and max_seqlen_k rounded up to 128), sequence b's
+    entries in its top-left corner, checked per sequence; the qkv-packed form too."""
+    g = torch.Generator().manual_seed(5)
+    lens_q, lens_k = [20, 1, 45], [33, 17, 45]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for x in (lens_q, lens_k))
+    q = nan_guarded((sum(lens_q), 4, 32), torch.float16, device, g)
+    k = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
+    v = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
+    dout = torch.randn(sum(lens_q), 4, 32, generator=g).to(device, torch.float16)
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse, s_dmask = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, 45, 45, dropout_p=0.3, causal=True,
+                                                         return_attn_probs=True)
+    grads = torch.autograd.grad(out, inputs, dout)
+    assert s_dmask.shape == (3, 4, 128, 128)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        keep = s_dmask[b:b + 1, :, :sq, :sk] >= 0
+        assert not s_dmask[b, :, sq:].any() and not s_dmask[b, :, :, sk:].any()
+        _check(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], out[None, rq], lse[None, :, rq],
+               [grads[0][None, rq], grads[1][None, rk], grads[2][None, rk]], keep, 0.3, causal=True)
+
+    qkv = torch.randn(sum(lens_k), 3, 2, 32, generator=g).to(device, torch.float16).requires_grad_()
+    out, _, s_dmask = flashtile.flash_attn_varlen_qkvpacked_func(qkv, cu_k, 45, dropout_p=0.3,
+                                                                 return_attn_probs=True)
+    dqkv, = torch.autograd.grad(out, qkv, torch.ones_like(out))
+    assert s_dmask.shape == (3, 2, 128, 128) and torch.isfinite(dqkv).all()
+
+
+def test_dropped_fraction_is_p(device):
+    """Per row and overall, the dropped fraction of the visible entries is p within 5 binomial standard
+    deviations; masks of different heads, sequences and calls are independent (they agree on p^2 + (1 - p)^2 of
+    the entries), and torch.manual_seed reproduces a call's mask bit for bit."""
+    p = 0.3
+    q, k, v = (torch.randn(2, 96, 2, 16, generator=torch.Generator().manual_seed(i)).to(device, torch.float16)
+               for i in range(3))
+    torch.manual_seed(1234)
+    _, _, s1 = flashtile.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    _, _, s2 = flashtile.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    torch.manual_seed(1234)
+    out3, _, s3 = flashtile.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    drop1, drop2, drop3 = ((s[:, :, :96, :96] < 0) for s in (s1, s2, s3))
+    assert torch.equal(drop1, drop3)
+    n = drop1.numel()
+    assert abs(drop1.float().mean().item() - p) <= 5 * math.sqrt(p * (1 - p) / n)
+    rows = drop1.float().mean(-1)
+    assert (rows - p).abs().max().item() <= 5 * math.sqrt(p * (1 - p) / 96)
+    agree = p * p + (1 - p) * (1 - p)
+    sigma = math.sqrt(agree * (1 - agree) / (n / 2))
+    for a, b in ((drop1[:, 0], drop1[:, 1]), (drop1[0], drop1[1]), (drop1, drop2)):
+        assert abs((a == b).float().mean().item() - agree) <= 5 * sigma
+
+    torch.manual_seed(1234)
+    assert torch.equal(flashtile.flash_attn_func(q, k, v, dropout_p=p), out3)
+
+
+def test_backward_reruns_regenerate_the_forward_mask(device):
+    """The backward reads the forward's seed (saved with the graph), not the generator: reruns on one graph give
+    the same bits, and the generator drawn in between changes nothing."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=g).to(device, torch.float16).requires_grad_() for _ in range(3))
+    dout = torch.randn(1, 40, 2, 32, generator=g).to(device, torch.float16)
+    out = flashtile.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, deterministic=True)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    torch.rand(10, device=device)  # advances the generator
+    second = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_rows_that_see_no_key_stay_zero(device):
+    """Under a bottom-right causal mask with more queries than keys the first rows see no key: their output and
+    gradient are 0 with dropout too, and their S_dmask row holds no surviving probability."""
+    q = torch.randn(1, 70, 2, 16, device=device, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 3, 2, 16, device=device, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, dropout_p=0.5, causal=True, return_attn_probs=True)
+    assert not out[:, :67].any() and torch.isinf(lse[:, :, :67]).all()
+    assert not (s_dmask[:, :, :67, :3] > 0).any()
+    dq, = torch.autograd.grad(out, q, torch.ones_like(out))
+    assert not dq[:, :67].any()
+
+
+def test_zero_dropout_is_the_plain_path(device):
+    """dropout_p = 0.0 runs the kernels without dropout (the flag is off): bitwise the default call, an empty
+    S_dmask, and the generator untouched."""
+    q, k, v = (torch.randn(1, 33, 2, 32, generator=torch.Generator().manual_seed(i)).to(device, torch.float16)
+               for i in range(3))
+    state = torch.random.get_rng_state()
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, dropout_p=0.0, return_attn_probs=True)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(out, flashtile.flash_attn_func(q, k, v)) and s_dmask.numel() == 0
+
+
+@pytest.mark.parametrize("p, exc", [(1.0, ValueError), (-0.01, ValueError), (float("nan"), ValueError),
+                                    (float("inf"), ValueError), (True, TypeError), (None, TypeError)])
+def test_bad_dropout_values(device, p, exc):
+    q = torch.randn(1, 8, 2, 16, device=device, dtype=torch.float16)
+    with pytest.raises(exc, match="dropout_p"):
+        flashtile.flash_attn_func(q, q, q, dropout_p=p)
+    with pytest.raises(exc, match="dropout_p"):
+        flashtile.flash_attn_varlen_func(q[0], q[0], q[0], *(torch.tensor([0, 8], dtype=torch.int32,
+                                                                          device=device),) * 2, 8, 8, dropout_p=p)
+
+
+def test_dropout_under_torch_compile(device):
+    """fullgraph torch.compile traces the seed's draw and both ops; the compiled call is a valid dropout: it
+    matches the reference built from its own S_dmask."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 33, 2, 32, generator=g).to(device, torch.float16) for _ in range(3))
+    dout = torch.randn(1, 33, 2, 32, generator=g).to(device, torch.float16)
+
+    def f(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, dropout_p=0.2, causal=True, return_attn_probs=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse, s_dmask = compiled(*inputs)
+    grads = torch.autograd.grad(out, inputs, dout)
+    _check(q, k, v, dout, out, lse, grads, s_dmask[:, :, :33, :33] >= 0, 0.2, causal=True)
+
+
+@pytest.mark.gpu
+def test_each_cuda_graph_replay_draws_a_new_mask(device):
+    """A captured call draws its seed inside the graph (Note [dropout seed]): every replay gets a fresh mask, as
+    PyTorch's own dropout does, and each replay's output is a valid dropout of the same inputs."""
+    q, k, v = (torch.randn(2, 256, 4, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v, dropout_p=0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
+    outs = []
+    for _ in range(3):
+        graph.replay()
+        outs.append(out.clone())
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    plain = flashtile.flash_attn_func(q, k, v)
+    for o in outs:  # dropout noise around the undropped output, no NaN
+        assert torch.isfinite(o).all() and (o.float() - plain.float()).abs().mean() < 0.5
