@@ -117,7 +117,7 @@ def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, split
         rot = d // 2 if d >= 16 else d
         cos, sin = (torch.rand(cap, rot // 2).to(dtype) for _ in range(2))
         kw.update(rotary_cos=cos, rotary_sin=sin, alibi_slopes=torch.rand(h), softcap=10.0, window_size=(64, 0),
-                  cache_leftpad=torch.full((b,), 3, dtype=torch.int32))
+                  cache_leftpad=torch.full((b,), 3, dtype=torch.int32), learnable_sink=torch.rand(h))
     flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=splits, **kw)
 
 
@@ -138,7 +138,7 @@ def scenarios():
                 (f"{name} varlen everything", lambda d=d: varlen(
                     d, BF16, seqused=True, alibi_slopes=torch.rand(3, 4), **every)),
                 (f"{name} everything", lambda d=d: dense(d, BF16, alibi_slopes=torch.rand(4), dropout_p=0.1,
-                                                         **every)),
+                                                         learnable_sink=torch.rand(4), **every)),
                 (f"{name} paged", lambda d=d: varlen(d, BF16, backward=False, paged=16, causal=True)),
                 # fp32's true-fp32 dots take ptxas 20-70 s a kernel at d128 and d256: their backward and paged
                 # forward only at d <= 64, where every kernel of the table builds in seconds.

@@ -95,10 +95,10 @@ def test_packed_backward_writes_one_buffer(device):
     from flashtile.ops.bwd import attention_bwd
     from flashtile.ops.fwd import attention_fwd
     qkv_t = torch.randn(1, 20, 3, 2, 16, device=device, dtype=torch.float16)
-    out, lse = attention_fwd(qkv_t, None, None, None, None, None, None, None, None, None, 20, 20, 0.25, -1, -1, 0.0,
-                             0.0, 1)
+    out, lse = attention_fwd(qkv_t, None, None, None, None, None, None, None, None, None, None, 20, 20, 0.25, -1, -1,
+                             0.0, 0.0, 1)
     grads_ = attention_bwd(torch.randn_like(out), qkv_t, None, None, out, lse, None, None, None, None, None, None,
-                           20, 20, 0.25, -1, -1, 0.0, 0.0, 1)
+                           None, 20, 20, 0.25, -1, -1, 0.0, 0.0, 1)
     assert len(grads_) == 1 and grads_[0].shape == qkv_t.shape
 
 
@@ -142,7 +142,7 @@ def test_eager_route_and_custom_op_route_agree(device):
     dout = torch.randn_like(q)
 
     def through_op(q, k, v):
-        return torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, None, q.shape[1], k.shape[1],
+        return torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, None, None, q.shape[1], k.shape[1],
                                        q.shape[-1] ** -0.5, -1, 0, 0.0, 0.0, 0)[0]
 
     got = grads(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
@@ -159,8 +159,8 @@ def test_double_backward_raises(device, route):
     if route == "eager":
         out = flashtile.flash_attn_func(q, k, v)
     else:
-        out = torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, None, 16, 16, 0.2, -1, -1, 0.0, 0.0,
-                                      0)[0]
+        out = torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, None, None, 16, 16, 0.2, -1, -1, 0.0,
+                                      0.0, 0)[0]
     with pytest.raises(RuntimeError):
         (dq,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
         torch.autograd.grad(dq.float().sum() + (q.float() ** 2).sum(), q)
@@ -261,7 +261,7 @@ def test_torch_compile_dynamic_shapes(device):
 def test_opcheck(device):
     from flashtile.ops.fwd import attention_fwd
     q, k, v = qkv(device, sq=17, sk=23)
-    args = (q, k, v, None, None, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0.0, 0)
+    args = (q, k, v, None, None, None, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0.0, 0)
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                             "test_autograd_registration"))
 

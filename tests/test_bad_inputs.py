@@ -122,6 +122,9 @@ CATALOGUE = {
     "dropout negative": (dense(dropout_p=-0.1), ValueError, "dropout_p must be in"),
     "dropout nan": (dense(dropout_p=float("nan")), ValueError, "dropout_p must be in"),
     "dropout string": (dense(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
+    "sink shape": (dense(learnable_sink=_t(3)), ValueError, "learnable_sink must have shape"),
+    "sink varlen dtype": (varlen(learnable_sink=torch.zeros(4, dtype=torch.int64)), TypeError,
+                          "learnable_sink must be float32"),
     "deterministic type": (dense(deterministic="yes"), TypeError, "deterministic must be a bool"),
     "num_splits": (kvcache(num_splits=-1), ValueError, "num_splits must be an int >= 0"),
     # varlen index tensors

@@ -536,7 +536,7 @@ def test_opcheck_custom_ops():
     torch.library.opcheck(decode_ops.append_kv, (k_cache, v_cache, k_new, k_new, seqlens, None, None, None, None,
                                                  True), test_utils=tests)
     torch.library.opcheck(decode_ops.decode, (q, k_cache, v_cache, seqlens, None, None, None, None, None, None,
-                                              True, 1, 0.2, -1, 0, 0.0, 2), test_utils=tests)
+                                              True, None, 1, 0.2, -1, 0, 0.0, 2), test_utils=tests)
 
 
 # ---------------------------------------------------------------------------------------------------------------

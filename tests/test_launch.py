@@ -185,7 +185,7 @@ def test_the_problem_key_covers_every_field(device):
     from flashtile.ops.call import OpProblem, op_problem
 
     q, k, v = _inputs(device, 6)
-    p = op_problem(q, k, v, None, None, None, None, None, None, None, 40, 40, 0.125, -1, 0, 0.0, 0.0, 0)
+    p = op_problem(q, k, v, None, None, None, None, None, None, None, None, 40, 40, 0.125, -1, 0, 0.0, 0.0, 0)
     tensors = OpProblem._fields[:OpProblem._fields.index("varlen")]
     for name, value in zip(OpProblem._fields, p):
         if name in ("softmax_scale", "softcap", "dropout_p"):

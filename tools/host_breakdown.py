@@ -85,7 +85,7 @@ def host_part(flex) -> dict:
     b, s, h, d = 16, 1024, 16, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
-    args = (q, k, v, None, None, None, None, None, None, None, s, s, d ** -0.5, -1, 0, 0.0, 0.0, 0)
+    args = (q, k, v, None, None, None, None, None, None, None, None, s, s, d ** -0.5, -1, 0, 0.0, 0.0, 0)
     rows = {}
     with torch.no_grad():
         rows["API forward, no grad"] = host_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
@@ -94,7 +94,8 @@ def host_part(flex) -> dict:
         rows["forward implementation"] = host_us(lambda: attention_fwd.impl(*args))
         out, lse = attention_fwd.impl(*args)
         rows["backward implementation"] = host_us(
-            lambda: attention_bwd.impl(dout, q, k, v, out, lse, None, None, None, None, None, None, *args[10:]),
+            lambda: attention_bwd.impl(dout, q, k, v, out, lse, None, None, None, None, None, None, None,
+                                       *args[11:]),
             n=50)
     rows["API forward, grad"] = host_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
 

@@ -41,7 +41,8 @@ def _case(rng: random.Random, kinds: list[str]) -> dict:
                 softcap=rng.choice([0.0, 0.0, 0.0, 10.0]), alibi=rng.random() < 0.2, seed=rng.randrange(2**31))
     if kind in ("dense", "qkvpacked"):
         case.update(batch=rng.randint(1, 4), seqlen_q=rng.choice(LENGTHS), seqlen_k=rng.choice(LENGTHS),
-                    dropout=rng.choice([0.0, 0.0, 0.0, 0.15]) if kind == "dense" else 0.0)
+                    dropout=rng.choice([0.0, 0.0, 0.0, 0.15]) if kind == "dense" else 0.0,
+                    sink=kind == "dense" and rng.random() < 0.25)
         if kind == "qkvpacked":
             case.update(seqlen_k=case["seqlen_q"], nheads_kv=case["nheads"])
     elif kind == "varlen_short":
@@ -113,6 +114,8 @@ def _run(case: dict, reruns: int) -> None:
     if case["kind"] == "dense":
         if case.get("dropout"):
             kw["dropout_p"] = case["dropout"]
+        if case.get("sink"):
+            kw["learnable_sink"] = torch.randn(h, device="cuda", generator=g) * 2
         q, k, v = randn(case["batch"], case["seqlen_q"], h, d), *(randn(case["batch"], case["seqlen_k"], hk, d)
                                                                  for _ in range(2))
         _dense_check(torch, flashtile, testing, q, k, v, randn(*q.shape), kw, reruns)

@@ -44,15 +44,15 @@ def main():
                     for causal in (False, True):
                         wr = 0 if causal else -1
                         f = flops / (2 if causal else 1)
-                        out, lse = attention_fwd(q, k, v, None, None, None, None, None, None, None, s, s,
-                                                 d ** -0.5, -1, wr, 0.0, 0.0, 0)
+                        out, lse = attention_fwd(q, k, v, None, None, None, None, None, None, None, None, s,
+                                                 s, d ** -0.5, -1, wr, 0.0, 0.0, 0)
                         if kernel == "fwd":
                             ms = bench(lambda: attention_fwd(q, k, v, None, None, None, None, None, None, None,
-                                                             s, s, d ** -0.5, -1, wr, 0.0, 0.0, 0))
+                                                             None, s, s, d ** -0.5, -1, wr, 0.0, 0.0, 0))
                             tf.append(f / ms * 1e-9)
                         else:
                             ms = bench(lambda: attention_bwd(do, q, k, v, out, lse, None, None, None, None, None,
-                                                             None, s, s, d ** -0.5, -1, wr, 0.0, 0.0, 0))
+                                                             None, None, s, s, d ** -0.5, -1, wr, 0.0, 0.0, 0))
                             tf.append(2.5 * f / ms * 1e-9)
                 except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                     print(f"{kernel} d{d} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")

@@ -27,7 +27,7 @@ FWD_INPUTS = _parameters(attention_fwd)
 _TENSORS = tuple(i for i, name in enumerate(FWD_INPUTS)
                  if "Tensor" in str(inspect.signature(attention_fwd.impl).parameters[name].annotation))
 _SCALARS = tuple(i for i in range(len(FWD_INPUTS)) if i not in _TENSORS)
-DIFFERENTIABLE = ("q", "k", "v")
+DIFFERENTIABLE = ("q", "k", "v", "learnable_sink")
 _GRAD_SLOTS = tuple(FWD_INPUTS.index(name) for name in DIFFERENTIABLE)
 _BWD_INPUTS = _parameters(attention_bwd)
 
@@ -50,12 +50,15 @@ def _gradients(ctx, dout, bwd):
     if dout is None:  # no gradient reached out (the eager route does not materialise one: see its forward)
         dout = torch.zeros_like(out)
     given.update(dout=dout, out=out, lse=lse)
-    grads = bwd(*(given[name] for name in _BWD_INPUTS))
+    grads = list(bwd(*(given[name] for name in _BWD_INPUTS)))
+    # The backward op returns the packed inputs' gradients, then the sink's when there is one.
+    dsink = grads.pop() if given["learnable_sink"] is not None else None
     packing = given["packing"]
     if packing == PACK_QKV:
-        grads = (grads[0], None, None)
+        grads = [grads[0], None, None]
     elif packing == PACK_KV:
-        grads = (*grads, None)
+        grads = [*grads, None]
+    grads.append(dsink)
     result = [None] * len(FWD_INPUTS)
     for slot, grad in zip(_GRAD_SLOTS, grads):
         result[slot] = grad
@@ -96,7 +99,7 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def attention(*inputs):
-    """(out, lse) of flashtile::fwd's arguments, differentiable in DIFFERENTIABLE (q, k and v)."""
+    """(out, lse) of flashtile::fwd's arguments, differentiable in DIFFERENTIABLE (q, k, v and the sink)."""
     if untraced(inputs):
         # Tangents exist only inside a forward-AD dual level (-1 outside any).
         differentiable = [inputs[i] for i in _GRAD_SLOTS]

@@ -24,15 +24,19 @@ def _pad(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs: bool, deterministic: bool,
-         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, block_table=None):
+         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, block_table=None,
+         learnable_sink=None):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
     rng = draw_rng(q.device) if p.dropout_p > 0.0 else None  # Note [dropout seed] in ops/dropout.py
-    out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng,
-                         p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap,
+    # The kernels read the sink as fp32; the cast is differentiated by autograd, so its gradient comes back in the
+    # sink's own dtype.
+    sink = None if learnable_sink is None else learnable_sink.float()
+    out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, sink,
+                         rng, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap,
                          p.dropout_p, packing)
     out = out[..., :p.head_dim] if out.shape[-1] != p.head_dim else out
     if not return_attn_probs:
@@ -50,7 +54,7 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None):
     """Exact attention softmax(q kᵀ · softmax_scale) v, fused and tiled; forward and backward.
 
     Arguments:
@@ -84,6 +88,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         deterministic: accepted for compatibility. flashtile's backward is always bitwise reproducible: it sums
             no gradient with atomics (atomic-dQ schedules measured 1.5-3x slower on H200; docs/design/backward.md).
         return_attn_probs: if True, also return softmax_lse and S_dmask (testing only).
+        learnable_sink [keyword, optional]: (nheads,), float32, bfloat16 or float16: a logit per query head that
+            joins every row's softmax denominator and contributes no value (gpt-oss; FlashAttention-4's
+            `learnable_sink`): out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)). softmax_lse includes
+            it, and a row that sees no key outputs 0 with lse = sink. Differentiable: its gradient sums over the
+            head's rows.
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (batch_size, nheads, seqlen_q), float32, natural log of the row sums
@@ -93,11 +102,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             -max(P, 1.2e-38) where it is dropped (so `S_dmask >= 0` is the keep mask), 0 past the lengths; an extra
             pass, for tests.
     """
-    p = dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
-    return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic)
+    p = dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink)
+    return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic, learnable_sink=learnable_sink)
 
 
-def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0) -> dict:
+def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, *,
+                 learnable_sink=None) -> dict:
     """Which kernels `flash_attn_func(q, k, v, ...)` with these arguments runs, forward and backward.
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
@@ -107,15 +117,17 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     computed.
     `last_kernel_paths()` says what the last call ran.
     """
-    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p)
+    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
-        q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0)
+        q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0,
+        sink=p.sink)
     path = TRITON if reason else HOPPER_PATH
     return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              learnable_sink=None):
     """`flash_attn_func` with q, k, v packed: qkv is (batch_size, seqlen, 3, nheads, headdim).
 
     Reads q, k and v as strided views of qkv and writes their gradients into one (batch_size, seqlen, 3, nheads,
@@ -123,20 +135,23 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     _check_packed("qkv", qkv, 5, 3)
     p = dense_problem(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, dropout_p)
-    return _run(p, qkv, None, None, PACK_QKV, alibi_slopes, return_attn_probs, deterministic)
+                      alibi_slopes, dropout_p, learnable_sink)
+    return _run(p, qkv, None, None, PACK_QKV, alibi_slopes, return_attn_probs, deterministic,
+                learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             learnable_sink=None):
     """`flash_attn_func` with k and v packed: q is (batch_size, seqlen_q, nheads, headdim) and kv is
     (batch_size, seqlen_k, 2, nheads_k, headdim). dk and dv are written into one buffer of kv's shape.
     Other arguments and the return value as `flash_attn_func`.
     """
     _check_packed("kv", kv, 5, 2)
     p = dense_problem(q, kv[:, :, 0], kv[:, :, 1], softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      dropout_p)
-    return _run(p, q, kv, None, PACK_KV, alibi_slopes, return_attn_probs, deterministic)
+                      dropout_p, learnable_sink)
+    return _run(p, q, kv, None, PACK_KV, alibi_slopes, return_attn_probs, deterministic,
+                learnable_sink=learnable_sink)
 
 
 def _check_packed(name: str, t, ndim: int, n: int) -> None:
@@ -150,7 +165,7 @@ def _check_packed(name: str, t, ndim: int, n: int) -> None:
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
-                           seqused_k=None):
+                           seqused_k=None, learnable_sink=None):
     """`flash_attn_func` over a ragged batch: B sequences of different lengths packed along one token axis.
 
     Sequence b is rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of q and rows cu_seqlens_k[b] : cu_seqlens_k[b + 1] of
@@ -193,6 +208,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             convention).
         seqused_k [keyword, optional]: (batch_size,), int32. Only the first seqused_k[b] keys of sequence b are
             attended to; masks are aligned to that length.
+        learnable_sink [keyword, optional]: (nheads,), as `flash_attn_func`.
     Checks: shapes, dtypes and devices always. The values of cu_seqlens, seqused and block_table (start at 0,
     non-decreasing, end at the total, max_seqlen large enough, pages in range) only when FLASHTILE_CHECK=1 or the
     tensors are on the CPU, and not under torch.compile tracing: on a GPU reading them is a synchronising copy
@@ -207,14 +223,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             max_seqlen_k rounded up to 128); empty without dropout.
     """
     p = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       window_size, softcap, alibi_slopes, dropout_p, seqused_q, seqused_k, block_table)
+                       window_size, softcap, alibi_slopes, dropout_p, seqused_q, seqused_k, block_table,
+                       learnable_sink)
     return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic, cu_seqlens_q, cu_seqlens_k,
-                seqused_q, seqused_k, block_table)
+                seqused_q, seqused_k, block_table, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, learnable_sink=None):
     """`flash_attn_varlen_func` with q, k, v packed: qkv is (total, 3, nheads, headdim), and one cu_seqlens
     ((batch_size + 1,), int32) and max_seqlen serve queries and keys.
 
@@ -223,20 +240,23 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """
     _check_packed("qkv", qkv, 4, 3)
     p = varlen_problem(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                       softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                       learnable_sink=learnable_sink)
     return _run(p, qkv, None, None, PACK_QKV, alibi_slopes, return_attn_probs, deterministic, cu_seqlens,
-                cu_seqlens)
+                cu_seqlens, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    learnable_sink=None):
     """`flash_attn_varlen_func` with k and v packed: q is (total_q, nheads, headdim) and kv is (total_k, 2,
     nheads_k, headdim). dk and dv are written into one buffer of kv's shape. Other arguments and the return value
     as `flash_attn_varlen_func`.
     """
     _check_packed("kv", kv, 4, 2)
     p = varlen_problem(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                       learnable_sink=learnable_sink)
     return _run(p, q, kv, None, PACK_KV, alibi_slopes, return_attn_probs, deterministic, cu_seqlens_q,
-                cu_seqlens_k)
+                cu_seqlens_k, learnable_sink=learnable_sink)

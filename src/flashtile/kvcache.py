@@ -26,7 +26,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            *, page_table=None):
+                            *, page_table=None, learnable_sink=None):
     """Attention of a few new query tokens against a KV cache, optionally appending new keys/values in place.
 
     If k and v are given they are written into the caches *in place* at rows [cache_seqlens[b],
@@ -94,6 +94,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             0 (default) picks from the GPU's SM count and the cache capacity (not the current lengths); 1 never
             splits.
         return_softmax_lse: also return the log-sum-exp of the scores.
+        learnable_sink [keyword, optional]: (nheads,), float32, bfloat16 or float16: a logit per query head that
+            joins each row's softmax denominator with no value (as `flash_attn_func`); softmax_lse includes it.
     Return:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
         softmax_lse [if return_softmax_lse]: (batch_size, nheads, seqlen_q) fp32, natural log of the row sums of
@@ -101,12 +103,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     p = kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         cache_leftpad, block_table, page_table, softmax_scale, causal, window_size, softcap,
-                        alibi_slopes, num_splits)
+                        alibi_slopes, num_splits, learnable_sink)
     if k is not None:
         call(append_kv, k_cache, v_cache, k, v, p.cache_seqlens, cache_batch_idx, p.block_table, rotary_cos,
              rotary_sin, bool(rotary_interleaved))
     out, lse = call(decode, q, k_cache, v_cache, p.cache_seqlens, cache_batch_idx, cache_leftpad, p.block_table,
-                    alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved), p.seqlen_new, p.softmax_scale,
+                    alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved),
+                    None if learnable_sink is None else learnable_sink.float(), p.seqlen_new, p.softmax_scale,
                     p.window_left, p.window_right, p.softcap, num_splits)
     return (out, lse) if return_softmax_lse else out
 

@@ -24,13 +24,17 @@ def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
 
 
 def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                  softmax_scale=None, upcast=True, return_probs=False, dropout_mask=None, dropout_p=0.0):
+                  softmax_scale=None, upcast=True, return_probs=False, dropout_mask=None, dropout_p=0.0,
+                  learnable_sink=None):
     """Attention computed the plain way. q (B, Sq, H, D), k/v (B, Sk, Hk, D); returns (out, lse), and the
     probabilities P (B, H, Sq, Sk) too with return_probs (for accumulation_floor).
 
     dropout_mask (B, H, Sq, Sk), bool (e.g. `S_dmask >= 0` of the call under test, cropped): P becomes
     P * mask / (1 - dropout_p) before it multiplies v (flash-attn 2's dropout); lse is the undropped softmax's, and
     the returned probabilities are the dropped ones.
+
+    learnable_sink (H,): one more logit per row, of no value, in every row's softmax (its lse includes it); a row
+    that sees no key then gives out 0 and lse = sink. Differentiable like q, k and v.
 
     upcast=True computes in float64 (the oracle); upcast=False computes in the input dtype, which is the
     "PyTorch doing the same math" baseline of the tolerance rule. out has q's dtype; lse (B, H, Sq) is float64 for
@@ -58,8 +62,13 @@ def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alib
         scores = scores - slopes * (i - j).abs().to(scores.dtype)
     visible = visible_mask(seqlen_q, seqlen_k, left, right, q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(scores.dtype).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    if learnable_sink is not None:
+        attn = attn[..., :seqlen_k]
     if dropout_mask is not None:
         attn = attn.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhts,bshd->bthd", attn, v)

@@ -31,7 +31,8 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
 Flags that change the code: PAGED (row translation through the block table), PAGE_TILED, HAS_BATCH_IDX,
 HAS_LEFTPAD, HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position
 cache_seqlens + t when the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
-HAS_ALIBI, UPCAST, DOT_PRECISION.
+HAS_ALIBI, HAS_SINK (a learnable sink logit per query head, folded into split 0's state only: the merge of the
+splits then counts it once; softmax.fold_sink), UPCAST, DOT_PRECISION.
 Never reads a row outside [leftpad, cache_seqlens + S_new) of its sequence, nor a block-table entry for one.
 Does not write the cache (kvcache.py appends) and has no backward.
 """
@@ -41,7 +42,7 @@ import triton.language as tl
 
 from .kvcache import cache_coords, rotary_load
 from .masking import LOG2E, apply_mask, kv_block_range, logits
-from .softmax import finalize, online_softmax_step
+from .softmax import finalize, fold_sink, online_softmax_step
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
+    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, SINK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -117,7 +118,7 @@ def _decode_kernel(
     PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
     # M tiles of one split are neighbours in launch order, so they share the split's K/V through L2.
@@ -203,6 +204,9 @@ def _decode_kernel(
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
                                   HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
+    if HAS_SINK:
+        sink2 = tl.load(SINK + h, mask=row_ok, other=0.0) * LOG2E
+        acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.where(split == 0, sink2, float("-inf")))
     # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state.
     out, lse = finalize(acc, l_i, m_i)
     o_ptrs = O + split * stride_os + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + d

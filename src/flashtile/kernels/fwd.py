@@ -24,7 +24,9 @@ Writes O once and the log-sum-exp in natural-log units (B, H, Sq) or (H, total_q
 Sq x Sk score matrix. Sequence-length boundaries are handled by descriptor shapes (reads past them are zeros and
 writes are dropped) plus a key mask on the last key block; paged loads mask rows past seqlen_k instead, and never
 read a block-table entry for them. HAS_DROPOUT drops probabilities after the softmax state has counted them (the
-LSE is the undropped softmax's) and scales O by 1 / (1 - p): Note [dropout mask] in dropout.py.
+LSE is the undropped softmax's) and scales O by 1 / (1 - p): Note [dropout mask] in dropout.py. HAS_SINK folds
+the head's learnable sink logit (SINK, fp32 (H,)) into the softmax's denominator before normalising
+(softmax.fold_sink); the backward needs no change for it, as its P is recomputed from this LSE.
 
 Grid: dense (query tiles, query heads, B); varlen (query heads, query-tile list), the tiles of every sequence in one
 list ordered longest first (Notes [varlen tile list] and [longest sequences first] in seqlen.py; heads fastest as in
@@ -40,7 +42,7 @@ from .dropout import dropout_state, keep_mask
 from .kvcache import cache_coords
 from .masking import LOG2E, apply_mask, kv_block_range, logits
 from .seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW, load_rows, row_desc, seq_info, store_rows, tile_coords
-from .softmax import finalize, online_softmax_step
+from .softmax import finalize, fold_sink, online_softmax_step
 
 
 @triton.jit
@@ -119,7 +121,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
 # cache] in ops/launch.py), then constexprs.
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE, RNG,
+    Q, K, V, O, LSE, ALIBI, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, SCHEDULE, BLOCK_TABLE, RNG, SINK,
     qk_scale, softcap2, dropout_p,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -132,7 +134,7 @@ def _attn_fwd_kernel(
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
@@ -210,6 +212,8 @@ def _attn_fwd_kernel(
                                BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
 
+    if HAS_SINK:
+        acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.load(SINK + h) * LOG2E)
     out, lse = finalize(acc, l_i, m_i)
     if HAS_DROPOUT:
         out = out * drop_scale

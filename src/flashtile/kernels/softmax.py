@@ -30,6 +30,18 @@ def online_softmax_step(s, scale, m_i, l_i, MASKED: tl.constexpr):
 
 
 @triton.jit
+def fold_sink(acc, l_i, m_i, sink2):
+    """The state (acc, l_i, m_i) with one more logit per row, sink2 (log2 units; -inf for none), that has no value:
+    it joins the denominator only. That is a learnable attention sink (gpt-oss; FlashAttention-4's learnable_sink):
+    o_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink)), and the LSE includes it. A row that saw no key
+    then has out 0 and lse = sink; with no sink either it stays empty (finalize's +inf)."""
+    m_new = tl.maximum(m_i, sink2)
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # as Note [fully masked rows]
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink2 - m_new), m_new
+
+
+@triton.jit
 def finalize(acc, l_i, m_i):
     """(out, lse): acc normalised, and the natural-log log-sum-exp. Rows that saw no key (l_i == 0) give out 0
     and lse +inf, flash-attn's convention, which makes the backward's recomputed exp(s - lse) exactly 0 and

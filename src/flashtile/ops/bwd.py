@@ -70,23 +70,51 @@ def attention_bwd(
     out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-    rng: Optional[torch.Tensor],
+    learnable_sink: Optional[torch.Tensor], rng: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
     softcap: float, dropout_p: float, packing: int,
 ) -> list[torch.Tensor]:
-    """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv]. With dropout_p > 0, rng is the
-    forward's: the kernels regenerate its mask."""
-    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng,
-                    max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing)
+    """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv], then the learnable sink's if
+    there is one. With dropout_p > 0, rng is the forward's: the kernels regenerate its mask."""
+    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                    learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                    dropout_p, packing)
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng,
-             max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
+def sink_gradient(learnable_sink: torch.Tensor, lse: torch.Tensor, delta: Optional[torch.Tensor]) -> torch.Tensor:
+    """Note [sink gradient]: a sink's logit sigma scales every probability of its rows by the same factor, so
+    dO_i / d sigma = -P_sink,i O_i with P_sink,i = exp(sigma - lse_i), and the loss's gradient is
+    -sum_i P_sink,i delta_i over the head's rows (delta = rowsum(dO * O), which the dQ kernel wrote; dropout
+    changes neither form). One pass over (B, H, Sq) floats after the kernels. Rows the forward did not compute
+    (seqused_q) have lse +inf and a delta nobody wrote: they add nothing."""
+    if delta is None:
+        return torch.zeros_like(learnable_sink)
+    dense = lse.dim() == 3  # (B, H, Sq); a varlen batch's is (H, total_q)
+    weight = torch.exp(learnable_sink.view((1, -1, 1) if dense else (-1, 1)) - lse)
+    terms = torch.where(torch.isinf(lse), 0.0, weight * delta)
+    return -terms.sum((0, 2) if dense else (1,))
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, learnable_sink,
+             rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
              plan: Optional[Plan] = None) -> list[torch.Tensor]:
     """attention_bwd's implementation. `plan`: the forward's (ops/fwd.forward), used for whatever lists of this
     backward's it holds (Note [one plan per step]); a plan may serve one backward only (its dK/dV work counter)."""
+    grads, delta = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                             alibi_slopes, learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale,
+                             window_left, window_right, softcap, dropout_p, packing, plan)
+    if learnable_sink is None:
+        return grads
+    return [*grads, sink_gradient(learnable_sink, lse, delta)]
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, learnable_sink,
+              rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
+              plan: Optional[Plan]) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+    """The gradients of q, k and v, and the delta the dQ kernel wrote (None when nothing ran)."""
     grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
-    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, rng, max_seqlen_q,
+    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, learnable_sink,
+                   rng, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing, dout, out,
                    lse)
     q, k, v, dout, out, varlen = p.q, p.k, p.v, p.dout, p.out, p.varlen
@@ -98,7 +126,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     if q.numel() == 0 or k.numel() == 0:
         for g in grads:
             g.zero_()
-        return grads
+        return grads, None
     nheads, nheads_kv, head_dim, gluon = p.nheads, p.nheads_kv, p.head_dim, p.bwd_gluon
     fp32 = q.dtype == torch.float32
     batch, seqlen_q, seqlen_k = p.batch, p.seqlen_q, p.seqlen_k
@@ -138,6 +166,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
     def static(kernel):
         flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
                              p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p)
+        del flags["HAS_SINK"]  # a sink changes only the lse, from which the backward's P comes (sink_gradient)
         constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
         if kernel == "bwd_dq":
             constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed, DESC=desc,
@@ -165,7 +194,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
                         cu_seqlens_q, cu_seqlens_k, plan_k)
         record("bwd_dkdv", HOPPER_PATH)
-        return grads
+        return grads, delta
     # The dK/dV kernel may run beside the dQ kernel (PDL): the dQ kernel's descriptor scratch must outlive both
     # launches (Note [scratch under PDL] in ops/launch.py).
     with keep_scratch():
@@ -179,14 +208,16 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seq
                 None if plan_k is None else plan_k.schedule, p.rng, *scalars),
                lambda: static("bwd_dkdv"), pdl=pdl, dropout=p.dropout_p > 0.0)
     record("bwd_dkdv", TRITON)
-    return grads
+    return grads, delta
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng, max_seqlen_q,
-      max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, learnable_sink, rng,
+      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
     if packing == PACK_QKV:
-        return [q.new_empty(q.shape)]
-    if packing == PACK_KV:
-        return [q.new_empty(q.shape), k.new_empty(k.shape)]
-    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+        grads = [q.new_empty(q.shape)]
+    elif packing == PACK_KV:
+        grads = [q.new_empty(q.shape), k.new_empty(k.shape)]
+    else:
+        grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+    return grads if learnable_sink is None else [*grads, learnable_sink.new_empty(learnable_sink.shape)]

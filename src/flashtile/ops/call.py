@@ -39,6 +39,7 @@ class OpProblem(NamedTuple):
     seqused_k: Optional[torch.Tensor]
     alibi_slopes: Optional[torch.Tensor]
     block_table: Optional[torch.Tensor]
+    learnable_sink: Optional[torch.Tensor]  # fp32 (H,)
     rng: Optional[torch.Tensor]  # dropout: the call's seed and stream, (2,) int64 (ops/dropout.py)
     dout: Optional[torch.Tensor]  # the backward's: dout and the forward's out (TMA-legal) and lse
     out: Optional[torch.Tensor]
@@ -86,8 +87,8 @@ _keyed = operator.itemgetter(*(i for i, name in enumerate(OpProblem._fields)
                                if i >= _N_TENSORS and name not in _PER_CALL))
 
 
-def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng,
-               max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
+def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+               learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
                dout=None, out=None, lse=None) -> OpProblem:
     """The OpProblem of flashtile::fwd's arguments, or with dout, out and lse flashtile::bwd's."""
     paged = block_table is not None
@@ -105,8 +106,8 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
         self_attn = False
     seqused = seqused_q is not None or seqused_k is not None
     fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
-                                         alibi=alibi_slopes is not None, dropout=dropout_p > 0.0) if k.numel() > 0 \
-        else "no keys"
+                                         alibi=alibi_slopes is not None, dropout=dropout_p > 0.0,
+                                         sink=learnable_sink is not None) if k.numel() > 0 else "no keys"
     bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
     pdl, dq_list_block = False, 0
     if dout is not None:
@@ -115,7 +116,8 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
         pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
             dq_list_block = list_blocks(head_dim, q.dtype == torch.float32, bwd_unsupported is None)[1]
-    return OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng, dout,
+    return OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+                     learnable_sink, rng, dout,
                      out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                      float(softmax_scale), window_left, window_right, float(softcap), float(dropout_p), packing,
                      self_attn, fwd_unsupported, bwd_unsupported, pdl, dq_list_block)

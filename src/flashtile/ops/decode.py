@@ -183,11 +183,13 @@ def decode(
     cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
+    learnable_sink: Optional[torch.Tensor],
     seqlen_new: int, softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) over rows [leftpad, cache_seqlens + seqlen_new) of each sequence's cache.
 
     Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32). num_splits = 0 picks the number of KV splits from shapes.
+    learnable_sink: fp32 (H,), folded into the first split's state (kernels/decode.py: HAS_SINK).
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k_cache.shape[2]
@@ -214,7 +216,7 @@ def decode(
     launch_direct(
         _decode_kernel, grid,
         q, k_cache, v_cache, o_part, lse_part, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        alibi_slopes, rotary_cos, rotary_sin,
+        alibi_slopes, rotary_cos, rotary_sin, learnable_sink,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         stride_os, *o_part.stride()[-4:-1], stride_ls, *lse_part.stride()[-3:],
         block_table.stride(0) if block_table is not None else 0, alibi_batch_stride(alibi_slopes), stride_cos,
@@ -226,7 +228,8 @@ def decode(
         GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
-        ROTARY_INTERLEAVED=rotary_interleaved, **{name: flags[name] for name in _SHARED_FLAGS},
+        ROTARY_INTERLEAVED=rotary_interleaved, HAS_SINK=learnable_sink is not None,
+        **{name: flags[name] for name in _SHARED_FLAGS},
         **decode_launch_opts(cfg, block_table is not None, block_m),
     )
     if num_splits > 1:
@@ -236,7 +239,7 @@ def decode(
 
 @decode.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-      rotary_cos, rotary_sin, rotary_interleaved, seqlen_new, softmax_scale, window_left, window_right, softcap,
-      num_splits):
+      rotary_cos, rotary_sin, rotary_interleaved, learnable_sink, seqlen_new, softmax_scale, window_left,
+      window_right, softcap, num_splits):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)

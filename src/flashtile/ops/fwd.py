@@ -60,7 +60,7 @@ def attention_fwd(
     q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-    block_table: Optional[torch.Tensor], rng: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], rng: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
     softcap: float, dropout_p: float, packing: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,22 +68,24 @@ def attention_fwd(
 
     With block_table (varlen only), k and v are paged caches (num_blocks, page_size, Hk, D) read without TMA, so
     they are neither copied nor aligned here. With dropout_p > 0, rng is the call's seed and stream
-    (ops/dropout.draw_rng), which the backward takes again.
+    (ops/dropout.draw_rng), which the backward takes again. learnable_sink: fp32 (H,), a logit per query head that
+    joins the softmax's denominator (and the lse).
     """
-    out, lse, _ = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng,
+    out, lse, _ = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+                          learnable_sink, rng,
                           max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
                           packing)
     return out, lse
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng, max_seqlen_q,
-            max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink,
+            rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
             for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[Plan]]:
     """attention_fwd's implementation; also returns a varlen call's plan (ops/schedule.varlen_plan, else None). With
     `for_backward` that plan also holds the lists the backward's kernels read where one plan can (self-attention,
     lists of one block: Note [one plan per step] in ops/bwd.py), so that the backward launches none."""
-    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng,
-                   max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing)
+    p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
+                   learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing)
     q, k, v, varlen, paged, gluon = p.q, p.k, p.v, p.varlen, p.paged, p.fwd_gluon
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv,
                                                               p.head_dim)
@@ -133,7 +135,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
 
     def static():
         flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
-                             p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p)
+                             p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p,
+                             p.learnable_sink is not None)
         # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page
         # ones.
         kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
@@ -152,14 +155,15 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     prepare_launch(q)
     launch(_attn_fwd_kernel, "fwd", head_dim, q.dtype == torch.float32, p.key(),
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-            None if plan is None else plan.schedule, block_table, p.rng, qk_scale, softcap2, p.dropout_p),
+            None if plan is None else plan.schedule, block_table, p.rng, p.learnable_sink, qk_scale, softcap2,
+            p.dropout_p),
            static, pre_hook=_FWD_BLOCKS, dropout=p.dropout_p > 0.0)
     return out, lse, plan
 
 
 @attention_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, rng, max_seqlen_q,
-      max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink, rng,
+      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
     q, _, _ = unpack(q, k, v, packing)
     varlen = cu_seqlens_q is not None
     return (q.new_empty(q.shape), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))

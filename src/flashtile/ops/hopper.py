@@ -4,7 +4,7 @@ Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes r
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows. Everything else
-(softcap, ALiBi, dropout, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
+(softcap, ALiBi, dropout, learnable sinks, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
 Triton kernels. `hopper_unsupported` is the one decision: the ops ask it on every call, and
 `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no, and the backward follows its
 forward; `last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the
@@ -54,7 +54,7 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False) -> Optional[str]:
+                       dropout: bool = False, sink: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
     `head_dim` is the padded one the kernels see."""
     if env.INTERPRET:
@@ -73,7 +73,8 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if head_dim not in HOPPER["fwd"]:
         return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
-                       (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout")):
+                       (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout"),
+                       (sink, "learnable_sink")):
         if cond:
             return f"{what}: not in the Gluon kernels"
     return None
