@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from .autograd import attention
 from .ops.common import PACK_KV, PACK_NONE, PACK_QKV
-from .ops.hopper import HOPPER_PATH, TRITON, hopper_unsupported
+from .ops.device import require_runnable
+from .ops.hopper import HOPPER_PATH, TRITON, fallback_logging, hopper_unsupported, log_fallback
 from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
 
@@ -26,6 +27,10 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
          cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, block_table=None):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    require_runnable(q.device)
+    if fallback_logging():
+        log_fallback(q.device, p.dtype, p.head_dim_padded, paged=p.paged, softcap=p.softcap, alibi=p.alibi,
+                     seqused=seqused_q is not None or seqused_k is not None)
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
@@ -91,6 +96,7 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     `last_kernel_paths()` says what the last call ran.
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, 0.0)
+    require_runnable(q.device)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
         q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi)
     path = TRITON if reason else HOPPER_PATH
