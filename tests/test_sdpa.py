@@ -138,7 +138,7 @@ def cpu_kernels(device):
     """The callables activation installs for CUDA, registered for the CPU key, where these aten ops have none."""
     from flashtile.integrations import sdpa
     if device != "cpu":
-        pytest.skip("on a GPU the CUDA registration itself is tested (tests/test_gpu.py)")
+        pytest.skip("on a GPU the CUDA registration itself is tested: test_gpu_sdpa_flash_backend_runs_flashtile")
     lib = sdpa.register_kernels("CPU")
     yield
     lib._destroy()
@@ -165,6 +165,19 @@ def test_sdpa_flash_op_forward_backward(cpu_kernels, device, is_causal):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     for got, want in zip((q, k, v), ref):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_outputs_are_laid_out_as_the_meta_functions_say(cpu_kernels, device):
+    """torch.compile plans with the meta functions' strides (empty_like(query)): a contiguous (B, H, S, D) query
+    gets a contiguous output, a (B, S, H, D) buffer's view one of the same strides."""
+    q = torch.randn(1, 2, 6, 16, device=device)
+    for query in (q, q.transpose(1, 2).contiguous().transpose(1, 2)):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(query, query, query)[0]
+        assert out.stride() == torch.empty_like(query).stride()
+        torch.testing.assert_close(out, torch_sdpa(query, query, query), atol=1e-5, rtol=1e-5)
+    dense = q.transpose(1, 2)  # (B, S, H, D), not contiguous
+    out = torch.ops.aten._flash_attention_forward(dense, dense, dense, None, None, 6, 6, 0.0, False, False)[0]
+    assert out.stride() == torch.empty_like(dense).stride()
 
 
 def test_flash_op_varlen_window(cpu_kernels, device):
@@ -231,3 +244,29 @@ def test_torch_varlen_attn_runs_flashtile(cpu_kernels, device):
     want.sum().backward()
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k.grad, ref[1].grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_registry
+def test_gpu_sdpa_flash_backend_runs_flashtile(device):
+    """The whole chain on a GPU: activation, SDPA's router picking its flash backend for bf16 CUDA tensors, the
+    aten ops' CUDA kernels (flashtile's now) forward and backward; flashtile.last_kernel_paths shows they ran."""
+    from flashtile.integrations import sdpa
+    from flashtile.ops import hopper
+    sdpa.register()
+    inputs = bhsd(device, 2, 8, 8, 256, 256, 128, dtype=torch.bfloat16, seed=8)
+    dout = torch.randn_like(inputs[0])
+    ref = with_grads(lambda *t: torch_sdpa(*t, is_causal=True), [t.double() for t in inputs], dout.double())
+    base = with_grads(lambda *t: torch_sdpa(*t, is_causal=True), inputs, dout)
+    hopper._LAST.clear()
+    registry.activate_flash_attention_impl("flashtile")
+    try:
+        def flash(*t):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(*t, is_causal=True)
+        ours = with_grads(flash, inputs, dout)
+    finally:
+        registry.restore_flash_attention_impl()
+    assert set(flashtile.last_kernel_paths()) == {"fwd", "bwd_dq", "bwd_dkdv"}
+    for name, a, r, b in zip(("out", "dq", "dk", "dv"), ours, ref, base):
+        check_close(name, a, r, b, 2 if name == "out" else 3)

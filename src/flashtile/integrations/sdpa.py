@@ -63,8 +63,10 @@ class _Handle:
     library: Optional[Library]
 
     def remove(self) -> None:
-        if self.library is not None:
-            self.library._destroy()
+        # Library._destroy deregisters at once; without it (not public API) dropping the last reference does.
+        destroy = getattr(self.library, "_destroy", None)
+        if destroy is not None:
+            destroy()
         self.library = None
 
 
@@ -160,6 +162,15 @@ def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
     return tuple(g if g.shape[-1] == head_dim else g[..., :head_dim] for g in (dq, dk, dv))
 
 
+def _laid_out_like(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """out with the strides of torch.empty_like(query), which is what the ops' meta functions promise (and what
+    torch.compile's graphs then assume). flashtile writes (B, S, H, D) or (total, H, D) buffers: the same strides
+    when query is a view of such a buffer, as a model's projections make it; otherwise one copy."""
+    if out.stride() == torch.empty_like(query, device="meta").stride():
+        return out
+    return torch.empty_like(query).copy_(out)
+
+
 def _bhsd(*tensors):
     """(B, H, S, D) <-> (B, S, H, D) views."""
     return tuple(t.transpose(1, 2) for t in tensors)
@@ -172,7 +183,7 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, retur
     out, lse = _forward(q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, is_causal, return_debug_mask, scale,
                         None, None)
     (out,) = _bhsd(out)
-    return (out, lse, None, None, query.shape[2], key.shape[2], *_aux(query))
+    return (_laid_out_like(out, query), lse, None, None, query.shape[2], key.shape[2], *_aux(query))
 
 
 def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -191,7 +202,7 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
     out, lse = _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                         return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
                         block_table)
-    return (out, lse, *_aux(query))
+    return (_laid_out_like(out, query), lse, *_aux(query))
 
 
 def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,

@@ -123,7 +123,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _padded(q, k, v, attention_mask, kw)
     elif (cu_q := kwargs.get("cu_seq_lens_q")) is not None and kwargs.get("cu_seq_lens_k") is not None:
         out = _packed(q, k, v, cu_q.to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32), kw)
-    elif (cu := _packed_from_position_ids(kwargs.get("position_ids"), batch, seqlen_q)) is not None:
+    elif key.shape[2] == seqlen_q and (
+            cu := _packed_from_position_ids(kwargs.get("position_ids"), batch, seqlen_q)) is not None:
         out = _packed(q, k, v, cu, cu, kw)
     else:
         out = flash_attn_func(q, k, v, **kw)
