@@ -37,7 +37,8 @@ TESTED = {"torch": ["2.13.0+cpu (CI, CPU interpreter)", "2.11.0+cu130 (H200)"],
           "triton": [f"{v}x" for v in triton_internals.TESTED], "python": ["3.11"], "transformers": ["5.24.0"]}
 HEAD_DIMS = sorted(TABLE["fwd"])
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# Feature class -> the properties hopper_unsupported is asked about, and whether it has a backward.
+# Feature class -> the properties hopper_unsupported is asked about for it (causal, windows and varlen change nothing
+# in the answer: the Gluon kernels have them; they are rows of their own because users ask about them).
 FEATURES = {
     "dense": dict(),
     "causal/window": dict(),
