@@ -316,3 +316,19 @@ def test_dropout_preset_pairs_each_shape_with_and_without_dropout():
             BACKENDS[name].setup(small, inputs)
     assert build_reference(small, inputs) is None
     assert all(c.dropout_p == 0.0 for c in build_cases(preset_runs("decode"), GPU_SHAPES, "bf16", dropout_p=0.1))
+
+
+def test_speeds_get_readable_units():
+    from flashtile.bench.report import _scaled
+    assert _scaled(473.0, "FLOP/s") == "473 TFLOP/s"
+    assert _scaled(3.264e-5, "FLOP/s") == "32.64 MFLOP/s"
+    assert _scaled(6e-7, "B/s") == "600 kB/s"
+
+
+def test_sdpa_math_runs_causal_varlen():
+    """The math backend's nested-tensor path has no causal mask; the bench runs it a sequence at a time."""
+    case = _cpu_case("varlen", seqlens=(5, 19), batch=2, nheads=4, nheads_kv=2, causal=True)
+    inputs = make_inputs(case, CPU)
+    ours = BACKENDS["flashtile"].setup(case, inputs).output()
+    theirs = BACKENDS["sdpa-math"].setup(case, inputs).output()
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

@@ -172,3 +172,44 @@ def test_demo_on_cpu(capsys):
     out = capsys.readouterr().out
     for name in ("out", "lse", "dq", "dk", "dv", "forward+backward"):
         assert name in out
+
+
+def test_bare_command_prints_the_help(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: flashtile" in out and "warmup" in out and "info" in out
+
+
+def test_every_option_has_help_text():
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    missing = [f"{name} {' / '.join(a.option_strings)}" for name, sub in subparsers.items() for a in sub._actions
+               if a.option_strings and a.help is None]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_info_text_and_json(capsys):
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "tested with" in text and "gluon-sm90" in text and "why not Gluon" in text
+    assert cli.main(["info", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    rows = record["coverage"]["rows"]
+    assert {r["feature"] for r in rows} == {"dense", "causal/window", "softcap/alibi", "varlen", "paged"}
+    assert {r["dtype"] for r in rows} == {"fp16", "bf16", "fp32"}
+    by_key = {(r["dtype"], r["head_dim"], r["feature"]): r for r in rows}
+    if record["environment"]["gpu"] is None:  # the table describes an sm_90 GPU
+        assert by_key[("bf16", 128, "dense")]["path"] == "gluon-sm90"
+        assert "softcap" in by_key[("bf16", 128, "softcap/alibi")]["why"]
+        assert by_key[("fp32", 128, "dense")]["path"] == "triton"
+    assert "decode" in by_key[("fp16", 64, "paged")]["tiles"]
+
+
+def test_warmup_runs_each_class(capsys):
+    argv = ["warmup", "--head-dim", "16", "--dtype", "fp16", "--heads", "2", "--groups", "2", "--causal", "--json"]
+    assert cli.main(argv) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert (record["head_dim"], record["group"], record["causal"], record["backward"]) == (16, 2, True, True)
+    assert record["kernels"]["bwd_dkdv"] in ("triton", "gluon-sm90")
+    from flashtile import env
+    assert record["compiled"] is not env.INTERPRET

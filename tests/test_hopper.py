@@ -178,3 +178,18 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
         side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]
         assert grid == (-(-side // rows), 2 if which == "bwd_dkdv" else 4, 2)
+
+
+def test_fallback_is_logged_once_per_reason(fake_sm90, monkeypatch, caplog):
+    """On sm_90, a call that runs the Triton kernels says why, once per reason, at DEBUG on the "flashtile"
+    logger; a call on the Gluon path says nothing."""
+    import logging
+    monkeypatch.setattr(hopper, "_LOGGED", set())
+    with caplog.at_level(logging.DEBUG, logger="flashtile"):
+        assert hopper.fallback_logging()
+        for _ in range(2):
+            hopper.log_fallback(CUDA, torch.bfloat16, 128, softcap=30.0)
+        hopper.log_fallback(CUDA, torch.bfloat16, 128)
+        hopper.log_fallback(CUDA, torch.bfloat16, 64)
+    messages = [r.getMessage() for r in caplog.records if r.name == "flashtile"]
+    assert len(messages) == 2 and "softcap" in messages[0] and "head dim 64" in messages[1]

@@ -1,5 +1,7 @@
-"""The `flashtile` command: `flashtile demo` and `flashtile bench` (also `python -m flashtile ...`).
+"""The `flashtile` command: `flashtile info|warmup|demo|bench` (also `python -m flashtile ...`).
 
+    flashtile info [--json]                # versions, where kernels run, which kernels and tiles each case takes
+    flashtile warmup --head-dim 64,128 --dtype bf16   # compile the kernels of those problem classes now
     flashtile demo                         # flashtile vs the fp64 reference, then timed
     flashtile bench                        # the standard sweep, every backend (GPU)
     flashtile bench --preset decode --refcheck --json out.json --plot out.png
@@ -66,17 +68,37 @@ def build_parser() -> argparse.ArgumentParser:
     from flashtile.bench.cases import DTYPES, MODES, PRESETS
 
     parser = argparse.ArgumentParser(prog="flashtile", description="flashtile: FlashAttention in Triton.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{info,warmup,demo,bench}")
+
+    info = sub.add_parser("info", help="versions, where the kernels run, and which kernels and tiles each dtype, "
+                                       "head dim and feature takes (and why)")
+    info.add_argument("--json", action="store_true", help="print the same as JSON")
+
+    warm = sub.add_parser("warmup", help="compile the kernels of the given problem classes now, not on first use",
+                          description="Runs one forward(+backward) per class at a length that is a multiple of 16 "
+                                      "and one that is not, which compiles what later calls of the class need "
+                                      "(Triton caches it on disk). Under the interpreter nothing is compiled.")
+    warm.add_argument("--head-dim", type=_ints, default=(128,), help="comma-separated head dims (default 128)")
+    warm.add_argument("--dtype", type=_words, default=["bf16"], help=f"comma-separated, of {', '.join(DTYPES)} "
+                      "(default bf16)")
+    warm.add_argument("--causal", action=argparse.BooleanOptionalAction,
+                      help="only causal (--causal) or only not (--no-causal); default both")
+    warm.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    warm.add_argument("--groups", type=_ints, default=(1,), help="GQA groups, query heads per KV head (default 1)")
+    warm.add_argument("--varlen", action="store_true", help="the varlen kernels instead of the dense ones")
+    warm.add_argument("--no-backward", dest="backward", action="store_false", help="forward kernels only")
+    warm.add_argument("--seqlen", type=int, help="default 256 on a GPU, 16 under the interpreter")
+    warm.add_argument("--json", action="store_true", help="print the records as JSON")
 
     demo = sub.add_parser("demo", help="run flashtile once, check it against the fp64 reference, time it",
                           description="Defaults: B=2 S=2048 H=16 D=128 bf16 causal on a GPU; "
                                       "B=1 S=128 H=2 D=64 fp16 causal without one (Triton interpreter).")
-    demo.add_argument("--batch", type=int)
-    demo.add_argument("--seqlen", type=int)
-    demo.add_argument("--heads", type=int)
-    demo.add_argument("--head-dim", type=int)
-    demo.add_argument("--dtype", choices=DTYPES)
-    demo.add_argument("--causal", action=argparse.BooleanOptionalAction)
+    demo.add_argument("--batch", type=int, help="sequences in the batch")
+    demo.add_argument("--seqlen", type=int, help="tokens per sequence (queries and keys)")
+    demo.add_argument("--heads", type=int, help="attention heads")
+    demo.add_argument("--head-dim", type=int, help="features per head")
+    demo.add_argument("--dtype", choices=DTYPES, help="input dtype")
+    demo.add_argument("--causal", action=argparse.BooleanOptionalAction, help="causal mask (--no-causal: none)")
 
     bench = sub.add_parser(
         "bench", help="benchmark flashtile against other attention backends",
@@ -95,26 +117,30 @@ def build_parser() -> argparse.ArgumentParser:
     shape = bench.add_argument_group("shape axes (each replaces the preset's)")
     shape.add_argument("--batch", type=_ints, help="default: tokens // seqlen")
     shape.add_argument("--tokens", type=int, help="tokens per batch when --batch is not given")
-    shape.add_argument("--seqlen-q", "--seqlen", type=_ints, dest="seqlen_q")
+    shape.add_argument("--seqlen-q", "--seqlen", type=_ints, dest="seqlen_q", help="query tokens per sequence")
     shape.add_argument("--seqlen-k", type=_ints, help="default: seqlen-q (decode: the KV cache length)")
     shape.add_argument("--heads", type=_ints, help="default: hidden // head dim")
-    shape.add_argument("--hidden", type=int)
+    shape.add_argument("--hidden", type=int, help="model width that --heads defaults from (default 2048)")
     shape.add_argument("--kv-heads", type=_ints, dest="kv_heads", help="default: heads (GQA when fewer)")
-    shape.add_argument("--head-dim", type=_ints, dest="head_dim")
+    shape.add_argument("--head-dim", type=_ints, dest="head_dim", help="features per head")
     shape.add_argument("--seqlens", type=_ints, help="varlen: the per-sequence lengths")
     shape.add_argument("--page-size", type=_ints, dest="page_size", help="decode: 0 = contiguous KV cache")
     shape.add_argument("--causal", action=argparse.BooleanOptionalAction, help="default: both")
     bench.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp16 without one")
     bench.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R",
                        help="sliding window; -1 = unbounded")
-    bench.add_argument("--softcap", type=float, default=0.0)
+    bench.add_argument("--softcap", type=float, default=0.0, help="tanh soft cap of the scores; 0 = off")
+    bench.add_argument("--dropout", type=float, default=None, metavar="P",
+                       help="dropout probability of every case but decode (default: the preset's; the dropout "
+                            "preset times 0 and 0.1)")
     bench.add_argument("--refcheck", action="store_true",
                        help="check every output against the fp64 reference first")
     bench.add_argument("--rep-ms", type=int, default=100,
                        help="GPU: milliseconds of repetitions per case and backend, split over the "
                             "interleaved timing rounds (bench/run.py)")
-    bench.add_argument("--json", metavar="PATH")
-    bench.add_argument("--csv", metavar="PATH")
+    bench.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON (rewritten "
+                       "after each case, so an interrupted run keeps what it measured)")
+    bench.add_argument("--csv", metavar="PATH", help="write the rows as CSV, the environment in every row")
     bench.add_argument("--results", metavar="PATH", help="append the rows, one line per metric, to a long-format "
                        "results table (bench-results/results.csv)")
     bench.add_argument("--plot", metavar="PATH", help="PNG of grouped bars (needs matplotlib)")
@@ -153,7 +179,7 @@ def select(parser, args, gpu: bool):
         if args.batch is not None or args.seqlen_k is not None:
             # A mixed decode batch is its list of cache lengths; uniform --batch/--seqlen-k replace it entirely.
             runs = [(mode, sweep) for mode, sweep in runs if not shapes[sweep].cache_lengths]
-        cases = build_cases(runs, shapes, dtype, args.window, args.softcap)
+        cases = build_cases(runs, shapes, dtype, args.window, args.softcap, args.dropout)
     except ValueError as e:
         parser.error(str(e))
     return cases, [BACKENDS[n] for n in names]
@@ -195,9 +221,52 @@ def _bench(parser, args, device, interpreted: bool) -> int:
     return 1 if failed else 0
 
 
+def _info(args) -> int:
+    import json
+
+    from flashtile import info
+
+    env, coverage = info.environment(), info.coverage()
+    print(json.dumps({"environment": env, "coverage": coverage}, indent=1) if args.json
+          else info.format_info(env, coverage))
+    return 0
+
+
+def _warmup(parser, args, interpreted: bool) -> int:
+    import json
+
+    from flashtile.bench.cases import DTYPES
+    from flashtile.info import warmup
+
+    if bad := [d for d in args.dtype if d not in DTYPES]:
+        parser.error(f"unknown dtype {', '.join(bad)}; choose from {', '.join(DTYPES)}")
+    causal = (False, True) if args.causal is None else (args.causal,)
+    try:
+        records = warmup(args.head_dim, [DTYPES[d] for d in args.dtype], causal, args.groups, args.heads,
+                         args.varlen, args.backward, args.seqlen)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    if interpreted:
+        print("Triton interpreter: nothing is compiled here (kernels are interpreted on every call); each class "
+              "below ran once at a tiny length to check its path.")
+    for r in records:
+        print(f"{r['dtype']:8} d{r['head_dim']:<4} {'causal' if r['causal'] else 'full':6} group {r['group']} "
+              f"{'varlen' if r['varlen'] else 'dense':6} {'fwd+bwd' if r['backward'] else 'fwd':7} "
+              f"{r['seconds']:7.2f} s  {'compiled' if r['compiled'] else 'ran'}  {r['kernels'].get('fwd')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "info":  # runs no kernel: no interpreter switch
+        return _info(args)
     interpreted = _interpret(argv)
     import torch
 
@@ -208,4 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         settings = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
         given = {k: getattr(args, k) for k in settings if getattr(args, k) is not None}
         return demo(**(settings | given), device=device, interpreted=interpreted)
+    if args.command == "warmup":
+        return _warmup(parser, args, interpreted)
     return _bench(parser, args, device, interpreted)

@@ -144,6 +144,12 @@ def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = 
     """The config of `kernel` at this head dim, for fp32 inputs if `fp32`, with dropout if `dropout`."""
     if env.INTERPRET:
         return _INTERPRETER[kernel]
+    return table_config(kernel, head_dim, fp32, dropout)
+
+
+def table_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
+    """The GPU table's config of `kernel` (what tile_config gives outside the interpreter; `flashtile info` shows
+    it on any machine)."""
     d = block_d(head_dim)
     if fp32 and d in FP32[kernel]:
         return FP32[kernel][d]

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from .autograd import attention
 from .ops.common import PACK_KV, PACK_NONE, PACK_QKV, call, unpack
+from .ops.device import require_runnable
 from .ops.dropout import draw_rng, dropout_probs
-from .ops.hopper import HOPPER_PATH, TRITON, hopper_unsupported
+from .ops.hopper import HOPPER_PATH, TRITON, fallback_logging, hopper_unsupported, log_fallback
 from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
 
@@ -28,6 +29,11 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
          learnable_sink=None):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    require_runnable(q.device)
+    if fallback_logging():
+        log_fallback(q.device, p.dtype, p.head_dim_padded, paged=p.paged, softcap=p.softcap, alibi=p.alibi,
+                     seqused=seqused_q is not None or seqused_k is not None, dropout=p.dropout_p > 0.0,
+                     sink=p.sink)
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
@@ -118,6 +124,7 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     `last_kernel_paths()` says what the last call ran.
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink)
+    require_runnable(q.device)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
         q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0,
         sink=p.sink)

@@ -18,6 +18,7 @@ import torch
 from .ops.common import call
 from .ops.decode import append_kv, decode
 from .ops.decode import combine as _combine_op
+from .ops.device import require_runnable
 from .problem import kvcache_problem
 
 __all__ = ["flash_attn_with_kvcache", "combine"]
@@ -104,6 +105,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     p = kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         cache_leftpad, block_table, page_table, softmax_scale, causal, window_size, softcap,
                         alibi_slopes, num_splits, learnable_sink)
+    require_runnable(q.device)
     if k is not None:
         call(append_kv, k_cache, v_cache, k, v, p.cache_seqlens, cache_batch_idx, p.block_table, rotary_cos,
              rotary_sin, bool(rotary_interleaved))
@@ -156,5 +158,6 @@ def combine(out_partials, lse_partials, out_dtype=None):
         raise ValueError(f"out_partials must have unit stride in its last dimension, got {out_partials.stride()}")
     if num_splits < 1:
         raise ValueError("out_partials must hold at least one split (num_splits >= 1)")
+    require_runnable(out_partials.device)
     out, lse = call(_combine_op, out_partials, lse_partials, out_dtype)
     return (out[0], lse[0]) if varlen else (out, lse)

@@ -10,7 +10,7 @@ unsupported, not an error.
     flashtile       flash_attn_func       flash_attn_with_kvcache        flash_attn_varlen_func
     fa4             flash_attn.cute       dense or paged (page_table)    varlen func (cu_seqlens)
     fa2             flash_attn            with_kvcache, pages of 256·n   varlen func
-    sdpa-*          forced SDPBackend     contiguous cache, enable_gqa   nested jagged tensors
+    sdpa-*          forced SDPBackend     contiguous cache, enable_gqa   nested jagged tensors (math: a loop)
     flex            compiled flex         contiguous cache               document block mask
 
 The backward modes (fwdbwd, varlenbwd) go through each backend's autograd from the same random dout; a backend
@@ -185,10 +185,13 @@ def _sdpa(kernel_name: str):
                 raise Unsupported("dropout not wired up for the cuDNN backend")
             kw["dropout_p"] = case.dropout_p
 
-        def fwd(q, k, v):
+        def fwd(q, k, v, **extra):
             with sdpa_kernel(kernel):
-                return F.scaled_dot_product_attention(q, k, v, **kw)
+                return F.scaled_dot_product_attention(q, k, v, **(kw | extra))
 
+        if case.varlen and kernel == SDPBackend.MATH:
+            return _prepare(case, _per_sequence(fwd, case.seqlens, kw.get("enable_gqa", False), case.causal),
+                            inputs.q, inputs.kv, inputs.dout)
         if case.varlen:
             if case.nheads_kv != case.nheads:
                 raise Unsupported("SDPA on nested tensors has no GQA")
@@ -208,6 +211,23 @@ def _sdpa(kernel_name: str):
         return _prepare(case, fwd, _to_bhsd(inputs.q), kv, _to_bhsd(inputs.dout), lambda o: o.transpose(1, 2))
 
     return setup
+
+
+def _per_sequence(fwd, seqlens, enable_gqa: bool, causal: bool):
+    """A packed (total, H, D) batch through dense SDPA one sequence at a time, for the math backend: its nested-tensor
+    path takes no causal mask ("No viable backend"), and as a reference it need not be fast. Each sequence is
+    square, so SDPA's top-left is_causal is the bench's bottom-right mask."""
+    kw = {"enable_gqa": enable_gqa, "is_causal": causal}
+
+    def run(q, k, v):
+        outs, start = [], 0
+        for n in seqlens:
+            q_s, k_s, v_s = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, n, D)
+            outs.append(fwd(q_s, k_s, v_s, **kw)[0].transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    return run
 
 
 @functools.cache

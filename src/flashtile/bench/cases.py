@@ -159,16 +159,17 @@ GPU_SHAPES = {
     "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 2048, 4096)),
     "dropout": Shapes(head_dim=(64, 128), seqlen_q=(1024, 4096, 16384), dropout=(0.0, 0.1)),
 }
-# Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU.
+# Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU, so `flashtile bench` without a
+# GPU runs one small case per mode and mask (about half a minute on two cores).
 CPU_SHAPES = {
-    "dense": Shapes(head_dim=(64,), seqlen_q=(64, 128), batch=(1,), heads=(2,)),
+    "dense": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,)),
     "decode": Shapes(
         head_dim=(64,), seqlen_k=(256,), batch=(2,), heads=(4,), kv_heads=(2,), causal=(True,),
         page_size=(0, 16),
     ),
     "decode-mixed": Shapes(head_dim=(64,), heads=(4,), kv_heads=(2,), causal=(True,), page_size=(0, 16),
                            cache_lengths=(200, 7, 64)),
-    "varlen": Shapes(head_dim=(64,), seqlens=(64, 17, 113), heads=(2,)),
+    "varlen": Shapes(head_dim=(64,), seqlens=(40, 17, 64), heads=(2,)),
     "varlen-baseline": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,)),
     "dropout": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,), causal=(True,), dropout=(0.0, 0.1)),
 }

@@ -75,10 +75,22 @@ def headline(env: dict) -> str:
             f"{env.get('date')}")
 
 
+_PREFIXES = (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9))
+
+
+def _scaled(tera: float, unit: str) -> str:
+    """A rate given in tera-units, with the largest SI prefix that keeps it >= 1 (the interpreter's rates are
+    millions of times below a GPU's)."""
+    for prefix, scale in _PREFIXES:
+        if tera >= scale:
+            return f"{tera / scale:.4g} {prefix}{unit}"
+    return f"{tera / _PREFIXES[-1][1]:.3g} {_PREFIXES[-1][0]}{unit}"
+
+
 def _speed(row: dict) -> str:
     if row["status"] != "ok":
         return ""
-    return f"{row['tbps']:.3g} TB/s" if row["tbps"] is not None else f"{row['tflops']:.4g} TFLOP/s"
+    return _scaled(row["tbps"], "B/s") if row["tbps"] is not None else _scaled(row["tflops"], "FLOP/s")
 
 
 def format_table(rows: list[dict]) -> str:

@@ -65,3 +65,15 @@ def pdl_supported(device: torch.device) -> bool:
     if env.INTERPRET or not on_gpu(device) or not env.pdl():
         return False
     return capability(device) >= (9, 0)
+
+
+def require_runnable(device: torch.device) -> None:
+    """Raise a RuntimeError saying what to do when no kernel can run for tensors on `device`: CPU tensors need
+    Triton's interpreter, which Triton and flashtile read when they are imported (env.py). Without it Triton would
+    compile for a GPU and fail deep inside with "Torch not compiled with CUDA enabled" or "0 active drivers".
+    Under launch.capture_launches nothing runs, so CPU tensors are what it takes."""
+    if device.type == "cpu" and not env.INTERPRET and capture_target() is None:
+        raise RuntimeError("flashtile: the tensors are on the CPU, where Triton kernels run only through Triton's "
+                           "interpreter. Set TRITON_INTERPRET=1 in the environment before importing flashtile "
+                           "(e.g. `TRITON_INTERPRET=1 python script.py`; slow, for tests and demonstrations), or "
+                           "move the tensors to a CUDA GPU.")

@@ -23,6 +23,7 @@ the partial last tile of a sequence, which they store by pointer under a row mas
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 import torch
@@ -68,6 +69,15 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     cap = capability(device)
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
+    return feature_unsupported(dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap, alibi=alibi,
+                               dropout=dropout, sink=sink)
+
+
+def feature_unsupported(dtype: torch.dtype, head_dim: int, *, paged: bool = False, seqused: bool = False,
+                        softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
+                        sink: bool = False) -> Optional[str]:
+    """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
+    on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
     if head_dim not in HOPPER["fwd"]:
@@ -78,6 +88,31 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
         if cond:
             return f"{what}: not in the Gluon kernels"
     return None
+
+
+_log = logging.getLogger("flashtile")
+_LOGGED: set[str] = set()
+
+
+def log_fallback(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
+                 seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
+                 sink: bool = False) -> None:
+    """On an sm_90 device, log once per reason (at DEBUG, logger "flashtile") that a call runs the Triton kernels
+    instead of the Gluon ones, and why. The public API calls it only when that logger takes DEBUG records, so an
+    ordinary call pays one isEnabledFor check; the decision itself stays with ops/call.py."""
+    if not on_gpu(device) or capability(device) != (9, 0):
+        return
+    reason = hopper_unsupported(device, dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
+                                alibi=alibi, dropout=dropout, sink=sink)
+    if reason is not None and reason not in _LOGGED:
+        _LOGGED.add(reason)
+        _log.debug("flashtile: sm_90 call runs the Triton kernels, not the Gluon ones: %s", reason)
+
+
+def fallback_logging() -> bool:
+    """Whether log_fallback would emit anything: the "flashtile" logger takes DEBUG records, and the call is not being
+    traced by torch.compile (whose dynamo cannot trace logging calls, and would break the graph)."""
+    return not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG)
 
 
 def record(kernel: str, path: str) -> None:
