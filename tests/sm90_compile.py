@@ -117,7 +117,8 @@ def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, split
         rot = d // 2 if d >= 16 else d
         cos, sin = (torch.rand(cap, rot // 2).to(dtype) for _ in range(2))
         kw.update(rotary_cos=cos, rotary_sin=sin, alibi_slopes=torch.rand(h), softcap=10.0, window_size=(64, 0),
-                  cache_leftpad=torch.full((b,), 3, dtype=torch.int32), learnable_sink=torch.rand(h))
+                  cache_leftpad=torch.full((b,), 3, dtype=torch.int32), learnable_sink=torch.rand(h),
+                  attention_chunk=64)
     flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=splits, **kw)
 
 
@@ -129,7 +130,7 @@ def scenarios():
     case: 1k, 4k), and varlen totals are not (the common case there), nor are the lengths of 1, 239 or 339 of the
     scenarios after them: both variants of each integer are built (Note [runtime integers])."""
     out = []
-    every = dict(causal=True, window_size=(24, -1), softcap=8.0)
+    every = dict(causal=True, window_size=(24, -1), softcap=8.0, attention_chunk=48)
     for d in sorted(TABLE["fwd"]):
         name = f"d{d}"
         out += [(f"{name} dense", lambda d=d: dense(d, BF16, h=4, hk=4)),

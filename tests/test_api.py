@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.testing import attention_ref, check_close, nan_guarded
+from flashtile.ops.fwd import attention_fwd
+from flashtile.testing import attention_ref, check_close, nan_guarded, op_args
 
 
 def qkv(device, b=2, sq=33, sk=40, h=4, hk=2, d=32, dtype=torch.float16, seed=0):
@@ -95,10 +96,9 @@ def test_packed_backward_writes_one_buffer(device):
     from flashtile.ops.bwd import attention_bwd
     from flashtile.ops.fwd import attention_fwd
     qkv_t = torch.randn(1, 20, 3, 2, 16, device=device, dtype=torch.float16)
-    out, lse = attention_fwd(qkv_t, None, None, None, None, None, None, None, None, None, None, 20, 20, 0.25, -1, -1,
-                             0.0, 0.0, 1)
-    grads_ = attention_bwd(torch.randn_like(out), qkv_t, None, None, out, lse, None, None, None, None, None, None,
-                           None, 20, 20, 0.25, -1, -1, 0.0, 0.0, 1)
+    scalars = dict(max_seqlen_q=20, max_seqlen_k=20, softmax_scale=0.25, packing=1)
+    out, lse = attention_fwd(*op_args(attention_fwd, q=qkv_t, **scalars))
+    grads_ = attention_bwd(*op_args(attention_bwd, dout=torch.randn_like(out), q=qkv_t, out=out, lse=lse, **scalars))
     assert len(grads_) == 1 and grads_[0].shape == qkv_t.shape
 
 
@@ -142,8 +142,9 @@ def test_eager_route_and_custom_op_route_agree(device):
     dout = torch.randn_like(q)
 
     def through_op(q, k, v):
-        return torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, None, None, q.shape[1], k.shape[1],
-                                       q.shape[-1] ** -0.5, -1, 0, 0.0, 0.0, 0)[0]
+        return torch.ops.flashtile.fwd(*op_args(attention_fwd, q=q, k=k, v=v, max_seqlen_q=q.shape[1],
+                                                max_seqlen_k=k.shape[1], softmax_scale=q.shape[-1] ** -0.5,
+                                                window_right=0))[0]
 
     got = grads(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
     want = grads(through_op, (q, k, v), dout)
@@ -159,8 +160,8 @@ def test_double_backward_raises(device, route):
     if route == "eager":
         out = flashtile.flash_attn_func(q, k, v)
     else:
-        out = torch.ops.flashtile.fwd(q, k, v, None, None, None, None, None, None, None, None, 16, 16, 0.2, -1, -1, 0.0,
-                                      0.0, 0)[0]
+        out = torch.ops.flashtile.fwd(*op_args(attention_fwd, q=q, k=k, v=v, max_seqlen_q=16, max_seqlen_k=16,
+                                               softmax_scale=0.2))[0]
     with pytest.raises(RuntimeError):
         (dq,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
         torch.autograd.grad(dq.float().sum() + (q.float() ** 2).sum(), q)
@@ -261,7 +262,7 @@ def test_torch_compile_dynamic_shapes(device):
 def test_opcheck(device):
     from flashtile.ops.fwd import attention_fwd
     q, k, v = qkv(device, sq=17, sk=23)
-    args = (q, k, v, None, None, None, None, None, None, None, None, 17, 23, 0.2, -1, 0, 0.0, 0.0, 0)
+    args = op_args(attention_fwd, q=q, k=k, v=v, max_seqlen_q=17, max_seqlen_k=23, softmax_scale=0.2, window_right=0)
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                             "test_autograd_registration"))
 

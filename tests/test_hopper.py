@@ -40,6 +40,7 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
     (dict(alibi=True), "ALiBi"),
     (dict(dropout=True), "dropout"),
     (dict(sink=True), "learnable_sink"),
+    (dict(chunk=True), "attention_chunk"),
     (dict(device=torch.device("cpu")), "tensors on cpu"),
 ])
 def test_everything_else_runs_triton_and_says_why(fake_sm90, kw, reason):

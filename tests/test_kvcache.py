@@ -22,7 +22,7 @@ from flashtile.ops import decode as decode_ops
 from flashtile.config import decode_config
 from flashtile.ops.common import fast_divisor
 from flashtile.ops.device import sm_count
-from flashtile.testing import attention_ref, check_close
+from flashtile.testing import attention_ref, check_close, op_args
 
 NAN = float("nan")
 FACTOR = 2  # flash-attn's rule: at most twice PyTorch's own error in the input dtype, plus rounding
@@ -535,8 +535,10 @@ def test_opcheck_custom_ops():
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(decode_ops.append_kv, (k_cache, v_cache, k_new, k_new, seqlens, None, None, None, None,
                                                  True), test_utils=tests)
-    torch.library.opcheck(decode_ops.decode, (q, k_cache, v_cache, seqlens, None, None, None, None, None, None,
-                                              True, None, 1, 0.2, -1, 0, 0.0, 2), test_utils=tests)
+    torch.library.opcheck(decode_ops.decode, op_args(decode_ops.decode, q=q, k_cache=k_cache, v_cache=v_cache,
+                                                     cache_seqlens=seqlens, rotary_interleaved=True, seqlen_new=1,
+                                                     softmax_scale=0.2, window_right=0, num_splits=2),
+                          test_utils=tests)
 
 
 # ---------------------------------------------------------------------------------------------------------------

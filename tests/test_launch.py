@@ -12,7 +12,7 @@ import flashtile
 import flashtile.ops.call
 from flashtile import env
 from flashtile.ops import launch, triton_internals
-from flashtile.testing import attention_ref, check_close
+from flashtile.testing import attention_ref, check_close, op_args
 
 
 def _inputs(device, seed, b=1, s=40, h=2, d=32, dtype=torch.float16):
@@ -185,7 +185,9 @@ def test_the_problem_key_covers_every_field(device):
     from flashtile.ops.call import OpProblem, op_problem
 
     q, k, v = _inputs(device, 6)
-    p = op_problem(q, k, v, None, None, None, None, None, None, None, None, 40, 40, 0.125, -1, 0, 0.0, 0.0, 0)
+    p = op_problem(*op_args(op_problem, q=q, k=k, v=v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                            seqused_k=None, alibi_slopes=None, block_table=None, learnable_sink=None, rng=None,
+                            max_seqlen_q=40, max_seqlen_k=40, softmax_scale=0.125, window_right=0))
     tensors = OpProblem._fields[:OpProblem._fields.index("varlen")]
     for name, value in zip(OpProblem._fields, p):
         if name in ("softmax_scale", "softcap", "dropout_p"):

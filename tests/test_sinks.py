@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded
+from flashtile.testing import accumulation_floor, attention_ref, check_close, kvcache_inputs, nan_guarded
 
 
 def _sink(nheads, dtype=torch.float32, device="cpu", seed=0):
@@ -180,23 +180,14 @@ def test_sink_varlen_and_packed(device):
 def test_sink_in_decode(device, page_size, num_splits):
     """flash_attn_with_kvcache: the sink is folded into one split's state, so a split-KV call equals the same
     attention computed at once; against the reference on each sequence's cache, with appended keys."""
-    g = torch.Generator().manual_seed(8)
-    batch, cap, hk, h, d = 2, 64, 2, 4, 32
-    logical_k, logical_v = (torch.randn(batch, cap, hk, d, generator=g).to(device, torch.float16) for _ in range(2))
-    q = torch.randn(batch, 2, h, d, generator=g).to(device, torch.float16)
-    new_k, new_v = (torch.randn(batch, 2, hk, d, generator=g).to(device, torch.float16) for _ in range(2))
+    batch, h = 2, 4
+    x = kvcache_inputs(device, batch, 64, h, 2, 32, 2, page_size, seed=8)
+    q, logical_k, logical_v, new_k, new_v = x["q"], x["logical_k"], x["logical_v"], x["k"], x["v"]
     seqlens = torch.tensor([40, 62], dtype=torch.int32, device=device)
-    kw = {}
-    if page_size:
-        k_cache = logical_k.reshape(batch * cap // page_size, page_size, hk, d).clone()
-        v_cache = logical_v.reshape(batch * cap // page_size, page_size, hk, d).clone()
-        kw["block_table"] = torch.arange(batch * cap // page_size, dtype=torch.int32, device=device).reshape(batch, -1)
-    else:
-        k_cache, v_cache = logical_k.clone(), logical_v.clone()
     sink = _sink(h, device=device, seed=8)
-    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=seqlens,
+    out, lse = flashtile.flash_attn_with_kvcache(q, x["k_cache"], x["v_cache"], new_k, new_v, cache_seqlens=seqlens,
                                                  causal=True, learnable_sink=sink, num_splits=num_splits,
-                                                 return_softmax_lse=True, **kw)
+                                                 return_softmax_lse=True, **x["kwargs"])
     for b in range(batch):
         s = int(seqlens[b])
         keys = torch.cat([logical_k[b:b + 1, :s], new_k[b:b + 1]], 1)

@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import flashtile
+from flashtile.testing import op_args
 
 
 def rand(device, *shape, seed=0, dtype=torch.float16):
@@ -132,11 +133,6 @@ def test_varlen_needs_no_item_and_compiles_once(device):
         assert compiled.new() > 0 if i == 0 else compiled.new() == 0
 
 
-def _args_by_name(op, **named):
-    """The op's positional arguments from names: tensor parameters not named are None (the ops' optional inputs)."""
-    return tuple(named.get(name) for name in inspect.signature(op.impl).parameters)
-
-
 @pytest.mark.parametrize("features", ["plain", "sink_dropout"])
 def test_opcheck_backward_op(device, features):
     from flashtile.ops.bwd import attention_bwd
@@ -147,8 +143,8 @@ def test_opcheck_backward_op(device, features):
                    dropout_p=0.0, packing=0)
     if features == "sink_dropout":
         scalars.update(dropout_p=0.25, learnable_sink=torch.randn(4, device=device), rng=draw_rng(torch.device(device)))
-    out, lse = attention_fwd(*_args_by_name(attention_fwd, q=q, k=k, v=v, **scalars))
-    args = _args_by_name(attention_bwd, dout=rand(device, 1, 17, 4, 32, seed=4), q=q, k=k, v=v, out=out, lse=lse,
+    out, lse = attention_fwd(*op_args(attention_fwd, q=q, k=k, v=v, **scalars))
+    args = op_args(attention_bwd, dout=rand(device, 1, 17, 4, 32, seed=4), q=q, k=k, v=v, out=out, lse=lse,
                          **scalars)
     torch.library.opcheck(attention_bwd, args, test_utils=("test_schema", "test_faketensor"))
 

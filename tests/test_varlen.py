@@ -16,7 +16,7 @@ import triton.language as tl
 
 import flashtile
 from flashtile.kernels.seqlen import tile_coords
-from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded
+from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, op_args
 
 MASKS = {  # name -> (causal, window_size)
     "none": (False, (-1, -1)),
@@ -406,8 +406,10 @@ def test_backward_takes_the_forward_plan(device, monkeypatch):
     second = torch.autograd.grad(out, (q, k, v), dout)
     assert len(calls) == 1
     scale = q.shape[-1] ** -0.5
-    op_route = flashtile.ops.bwd.attention_bwd(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu, cu,
-                                               None, None, None, None, None, 77, 77, scale, -1, 0, 0.0, 0.0, 0)
+    bwd_op = flashtile.ops.bwd.attention_bwd
+    op_route = bwd_op(*op_args(bwd_op, dout=dout, q=q.detach(), k=k.detach(), v=v.detach(), out=out.detach(), lse=lse,
+                               cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=77, max_seqlen_k=77, softmax_scale=scale,
+                               window_right=0))
     for a, b, c in zip(first, second, op_route):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -703,7 +705,8 @@ def test_opcheck_varlen(device):
     from flashtile.ops.fwd import attention_fwd
     q, k, v, cu_q, cu_k, _, _ = _args(device)
     used = torch.tensor([5, 3], dtype=torch.int32, device=device)
-    args = (q, k, v, cu_q, cu_k, None, used, None, None, None, None, 7, 7, 0.25, -1, 0, 0.0, 0.0, 0)
+    args = op_args(attention_fwd, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, max_seqlen_q=7,
+                   max_seqlen_k=7, softmax_scale=0.25, window_right=0)
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                             "test_autograd_registration"))
 
@@ -849,8 +852,8 @@ def test_bad_device_side_lengths_stay_inside_the_tensors(device):
     cu_q = torch.tensor([0, 10, 1000], dtype=torch.int32, device=device)  # past total_q = 24
     cu_k = torch.tensor([0, 7, 5000], dtype=torch.int32, device=device)  # past total_k = 20
     seqused_k = torch.tensor([100, 9], dtype=torch.int32, device=device)  # longer than sequence 0
-    out, lse = attention_fwd(q, k, v, cu_q, cu_k, None, seqused_k, None, None, None, None, 24, 20, 0.2, -1, -1, 0.0,
-                             0.0, 0)
+    out, lse = attention_fwd(*op_args(attention_fwd, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      seqused_k=seqused_k, max_seqlen_q=24, max_seqlen_k=20, softmax_scale=0.2))
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     # Sequence 0 is well formed except for seqused_k, which is clamped to its 7 keys.
     ref, _ = attention_ref(q[None, :10].double(), k[None, :7].double(), v[None, :7].double(), softmax_scale=0.2)

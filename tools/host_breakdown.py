@@ -27,6 +27,7 @@ import flashtile.autograd
 from flashtile.bench.backends import _compiled_flex
 from flashtile.ops.bwd import attention_bwd
 from flashtile.ops.fwd import attention_fwd
+from flashtile.testing import op_args
 from flashtile.problem import dense_problem
 
 CELLS = [(128, 1024, True, "fwd"), (64, 1024, True, "fwd"), (128, 1024, False, "fwd"), (128, 1024, True, "fwdbwd"),
@@ -85,7 +86,8 @@ def host_part(flex) -> dict:
     b, s, h, d = 16, 1024, 16, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
-    args = (q, k, v, None, None, None, None, None, None, None, None, s, s, d ** -0.5, -1, 0, 0.0, 0.0, 0)
+    scalars = dict(max_seqlen_q=s, max_seqlen_k=s, softmax_scale=d ** -0.5, window_right=0)
+    args = op_args(attention_fwd, q=q, k=k, v=v, **scalars)
     rows = {}
     with torch.no_grad():
         rows["API forward, no grad"] = host_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
@@ -93,10 +95,9 @@ def host_part(flex) -> dict:
             lambda: dense_problem(q, k, v, None, True, (-1, -1), 0.0, None, 0.0))
         rows["forward implementation"] = host_us(lambda: attention_fwd.impl(*args))
         out, lse = attention_fwd.impl(*args)
+        bwd_args = op_args(attention_bwd, dout=dout, q=q, k=k, v=v, out=out, lse=lse, **scalars)
         rows["backward implementation"] = host_us(
-            lambda: attention_bwd.impl(dout, q, k, v, out, lse, None, None, None, None, None, None, None,
-                                       *args[11:]),
-            n=50)
+            lambda: attention_bwd.impl(*bwd_args), n=50)
     rows["API forward, grad"] = host_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
 
     def fwdbwd():

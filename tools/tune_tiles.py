@@ -16,6 +16,7 @@ import triton
 from flashtile import config
 from flashtile.ops.bwd import attention_bwd
 from flashtile.ops.fwd import attention_fwd
+from flashtile.testing import op_args
 
 
 def bench(fn) -> float:
@@ -44,15 +45,15 @@ def main():
                     for causal in (False, True):
                         wr = 0 if causal else -1
                         f = flops / (2 if causal else 1)
-                        out, lse = attention_fwd(q, k, v, None, None, None, None, None, None, None, None, s,
-                                                 s, d ** -0.5, -1, wr, 0.0, 0.0, 0)
+                        scalars = dict(max_seqlen_q=s, max_seqlen_k=s, softmax_scale=d ** -0.5, window_right=wr)
+                        fwd_args = op_args(attention_fwd, q=q, k=k, v=v, **scalars)
+                        out, lse = attention_fwd(*fwd_args)
                         if kernel == "fwd":
-                            ms = bench(lambda: attention_fwd(q, k, v, None, None, None, None, None, None, None,
-                                                             None, s, s, d ** -0.5, -1, wr, 0.0, 0.0, 0))
+                            ms = bench(lambda: attention_fwd(*fwd_args))
                             tf.append(f / ms * 1e-9)
                         else:
-                            ms = bench(lambda: attention_bwd(do, q, k, v, out, lse, None, None, None, None, None,
-                                                             None, None, s, s, d ** -0.5, -1, wr, 0.0, 0.0, 0))
+                            bwd_args = op_args(attention_bwd, dout=do, q=q, k=k, v=v, out=out, lse=lse, **scalars)
+                            ms = bench(lambda: attention_bwd(*bwd_args))
                             tf.append(2.5 * f / ms * 1e-9)
                 except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                     print(f"{kernel} d{d} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")

@@ -33,7 +33,7 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     if fallback_logging():
         log_fallback(q.device, p.dtype, p.head_dim_padded, paged=p.paged, softcap=p.softcap, alibi=p.alibi,
                      seqused=seqused_q is not None or seqused_k is not None, dropout=p.dropout_p > 0.0,
-                     sink=p.sink)
+                     sink=p.sink, chunk=p.attention_chunk > 0)
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
@@ -42,8 +42,8 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     # sink's own dtype.
     sink = None if learnable_sink is None else learnable_sink.float()
     out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, sink,
-                         rng, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right, p.softcap,
-                         p.dropout_p, packing)
+                         rng, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right,
+                         p.attention_chunk, p.softcap, p.dropout_p, packing)
     out = out[..., :p.head_dim] if out.shape[-1] != p.head_dim else out
     if not return_attn_probs:
         return out
@@ -55,12 +55,12 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     qu, ku, _ = unpack(q, k, v, packing)
     s_dmask = call(dropout_probs, qu.detach(), ku.detach(), lse, rng, cu_seqlens_q, cu_seqlens_k, seqused_q,
                    seqused_k, alibi_slopes, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right,
-                   p.softcap, p.dropout_p)
+                   p.attention_chunk, p.softcap, p.dropout_p)
     return out, lse, s_dmask
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None, attention_chunk=0):
     """Exact attention softmax(q kᵀ · softmax_scale) v, fused and tiled; forward and backward.
 
     Arguments:
@@ -99,6 +99,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             `learnable_sink`): out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)). softmax_lse includes
             it, and a row that sees no key outputs 0 with lse = sink. Differentiable: its gradient sums over the
             head's rows.
+        attention_chunk [keyword, optional]: chunked attention (Llama 4; FlashAttention-3's `attention_chunk`), 0
+            for none: keys are cut into chunks of attention_chunk, and query i sees only keys of the chunk its
+            position i + seqlen_k - seqlen_q falls in (combined with causal and window_size).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (batch_size, nheads, seqlen_q), float32, natural log of the row sums
@@ -108,12 +111,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             -max(P, 1.2e-38) where it is dropped (so `S_dmask >= 0` is the keep mask), 0 past the lengths; an extra
             pass, for tests.
     """
-    p = dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink)
+    p = dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
+                      attention_chunk)
     return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic, learnable_sink=learnable_sink)
 
 
 def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, *,
-                 learnable_sink=None) -> dict:
+                 learnable_sink=None, attention_chunk=0) -> dict:
     """Which kernels `flash_attn_func(q, k, v, ...)` with these arguments runs, forward and backward.
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
@@ -123,18 +127,19 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     computed.
     `last_kernel_paths()` says what the last call ran.
     """
-    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink)
+    p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
+                      attention_chunk)
     require_runnable(q.device)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
         q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0,
-        sink=p.sink)
+        sink=p.sink, chunk=p.attention_chunk > 0)
     path = TRITON if reason else HOPPER_PATH
     return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              learnable_sink=None):
+                              learnable_sink=None, attention_chunk=0):
     """`flash_attn_func` with q, k, v packed: qkv is (batch_size, seqlen, 3, nheads, headdim).
 
     Reads q, k and v as strided views of qkv and writes their gradients into one (batch_size, seqlen, 3, nheads,
@@ -142,21 +147,21 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     _check_packed("qkv", qkv, 5, 3)
     p = dense_problem(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, dropout_p, learnable_sink)
+                      alibi_slopes, dropout_p, learnable_sink, attention_chunk)
     return _run(p, qkv, None, None, PACK_QKV, alibi_slopes, return_attn_probs, deterministic,
                 learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             learnable_sink=None):
+                             learnable_sink=None, attention_chunk=0):
     """`flash_attn_func` with k and v packed: q is (batch_size, seqlen_q, nheads, headdim) and kv is
     (batch_size, seqlen_k, 2, nheads_k, headdim). dk and dv are written into one buffer of kv's shape.
     Other arguments and the return value as `flash_attn_func`.
     """
     _check_packed("kv", kv, 5, 2)
     p = dense_problem(q, kv[:, :, 0], kv[:, :, 1], softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      dropout_p, learnable_sink)
+                      dropout_p, learnable_sink, attention_chunk)
     return _run(p, q, kv, None, PACK_KV, alibi_slopes, return_attn_probs, deterministic,
                 learnable_sink=learnable_sink)
 
@@ -172,7 +177,7 @@ def _check_packed(name: str, t, ndim: int, n: int) -> None:
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
-                           seqused_k=None, learnable_sink=None):
+                           seqused_k=None, learnable_sink=None, attention_chunk=0):
     """`flash_attn_func` over a ragged batch: B sequences of different lengths packed along one token axis.
 
     Sequence b is rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of q and rows cu_seqlens_k[b] : cu_seqlens_k[b + 1] of
@@ -216,6 +221,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         seqused_k [keyword, optional]: (batch_size,), int32. Only the first seqused_k[b] keys of sequence b are
             attended to; masks are aligned to that length.
         learnable_sink [keyword, optional]: (nheads,), as `flash_attn_func`.
+        attention_chunk [keyword, optional]: as `flash_attn_func`, per sequence.
     Checks: shapes, dtypes and devices always. The values of cu_seqlens, seqused and block_table (start at 0,
     non-decreasing, end at the total, max_seqlen large enough, pages in range) only when FLASHTILE_CHECK=1 or the
     tensors are on the CPU, and not under torch.compile tracing: on a GPU reading them is a synchronising copy
@@ -231,14 +237,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     p = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        window_size, softcap, alibi_slopes, dropout_p, seqused_q, seqused_k, block_table,
-                       learnable_sink)
+                       learnable_sink, attention_chunk)
     return _run(p, q, k, v, PACK_NONE, alibi_slopes, return_attn_probs, deterministic, cu_seqlens_q, cu_seqlens_k,
                 seqused_q, seqused_k, block_table, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, learnable_sink=None):
+                                     return_attn_probs=False, *, learnable_sink=None, attention_chunk=0):
     """`flash_attn_varlen_func` with q, k, v packed: qkv is (total, 3, nheads, headdim), and one cu_seqlens
     ((batch_size + 1,), int32) and max_seqlen serve queries and keys.
 
@@ -248,7 +254,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _check_packed("qkv", qkv, 4, 3)
     p = varlen_problem(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                        softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                       learnable_sink=learnable_sink)
+                       learnable_sink=learnable_sink, attention_chunk=attention_chunk)
     return _run(p, qkv, None, None, PACK_QKV, alibi_slopes, return_attn_probs, deterministic, cu_seqlens,
                 cu_seqlens, learnable_sink=learnable_sink)
 
@@ -256,7 +262,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    learnable_sink=None):
+                                    learnable_sink=None, attention_chunk=0):
     """`flash_attn_varlen_func` with k and v packed: q is (total_q, nheads, headdim) and kv is (total_k, 2,
     nheads_k, headdim). dk and dv are written into one buffer of kv's shape. Other arguments and the return value
     as `flash_attn_varlen_func`.
@@ -264,6 +270,6 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     _check_packed("kv", kv, 4, 2)
     p = varlen_problem(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                       learnable_sink=learnable_sink)
+                       learnable_sink=learnable_sink, attention_chunk=attention_chunk)
     return _run(p, q, kv, None, PACK_KV, alibi_slopes, return_attn_probs, deterministic, cu_seqlens_q,
                 cu_seqlens_k, learnable_sink=learnable_sink)

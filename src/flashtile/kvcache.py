@@ -27,7 +27,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            *, page_table=None, learnable_sink=None):
+                            *, page_table=None, learnable_sink=None, attention_chunk=0):
     """Attention of a few new query tokens against a KV cache, optionally appending new keys/values in place.
 
     If k and v are given they are written into the caches *in place* at rows [cache_seqlens[b],
@@ -97,6 +97,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return_softmax_lse: also return the log-sum-exp of the scores.
         learnable_sink [keyword, optional]: (nheads,), float32, bfloat16 or float16: a logit per query head that
             joins each row's softmax denominator with no value (as `flash_attn_func`); softmax_lse includes it.
+        attention_chunk [keyword, optional]: chunked attention (as `flash_attn_func`): query i sees only the keys
+            of the chunk of `attention_chunk` keys its position falls in, positions counted from cache_leftpad.
     Return:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
         softmax_lse [if return_softmax_lse]: (batch_size, nheads, seqlen_q) fp32, natural log of the row sums of
@@ -104,7 +106,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     p = kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         cache_leftpad, block_table, page_table, softmax_scale, causal, window_size, softcap,
-                        alibi_slopes, num_splits, learnable_sink)
+                        alibi_slopes, num_splits, learnable_sink, attention_chunk)
     require_runnable(q.device)
     if k is not None:
         call(append_kv, k_cache, v_cache, k, v, p.cache_seqlens, cache_batch_idx, p.block_table, rotary_cos,
@@ -112,7 +114,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = call(decode, q, k_cache, v_cache, p.cache_seqlens, cache_batch_idx, cache_leftpad, p.block_table,
                     alibi_slopes, rotary_cos, rotary_sin, bool(rotary_interleaved),
                     None if learnable_sink is None else learnable_sink.float(), p.seqlen_new, p.softmax_scale,
-                    p.window_left, p.window_right, p.softcap, num_splits)
+                    p.window_left, p.window_right, p.attention_chunk, p.softcap, num_splits)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -54,6 +54,7 @@ class AttnProblem:
     paged: bool = False  # varlen only: k/v are paged caches read through a block table
     dropout_p: float = 0.0  # probability of dropping an attention probability (training)
     sink: bool = False  # a learnable sink logit per query head (learnable_sink)
+    attention_chunk: int = 0  # chunked attention's chunk, in keys (0: off)
 
     @property
     def causal(self) -> bool:
@@ -70,11 +71,11 @@ def pad_head_dim(d: int) -> int:
 
 def kernel_flags(window_left: int, window_right: int, softcap: float, has_alibi: bool,
                  varlen: bool, seqused_q: bool, seqused_k: bool, dtype: torch.dtype, dropout_p: float = 0.0,
-                 sink: bool = False) -> dict:
+                 sink: bool = False, chunk: int = 0) -> dict:
     """The constexpr flags every attention kernel specialises on; the single source of the compile key."""
     return dict(
         IS_VARLEN=varlen, HAS_SEQUSED_Q=seqused_q, HAS_SEQUSED_K=seqused_k,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, MASK_CHUNK=chunk > 0,
         HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=has_alibi, HAS_DROPOUT=dropout_p > 0.0, HAS_SINK=sink,
         UPCAST=env.INTERPRET and dtype == torch.bfloat16,
         # fp32 inputs get true fp32 products, not Triton's default tf32 (fp32 is for accuracy, not speed).
@@ -183,6 +184,15 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device) -> None:
         raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
 
 
+def check_chunk(attention_chunk) -> int:
+    """attention_chunk (FlashAttention-3's name, Llama 4's chunked attention): an int >= 0, 0 for none."""
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}")
+    if attention_chunk < 0:
+        raise ValueError(f"attention_chunk must be >= 0 (0 = no chunking), got {attention_chunk}")
+    return attention_chunk if isinstance(attention_chunk, torch.SymInt) else int(attention_chunk)
+
+
 def check_sink(learnable_sink, nheads: int, device) -> bool:
     """learnable_sink (FlashAttention-4's name): one logit per query head, (nheads,), float32, bfloat16 or float16
     (the kernels read it as float32; its gradient comes back in its own dtype). Whether there is one."""
@@ -224,7 +234,7 @@ def value_checks(*tensors) -> bool:
 
 
 def dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                  learnable_sink=None) -> AttnProblem:
+                  learnable_sink=None, attention_chunk=0) -> AttnProblem:
     """Validate flash_attn_func arguments (q (B, Sq, H, D), k/v (B, Sk, Hk, D)) and describe the problem."""
     check_tensor("q", q, 4)
     check_tensor("k", k, 4, q.device, q.dtype)
@@ -236,11 +246,13 @@ def dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     return _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, dropout_p, varlen=False, learnable_sink=learnable_sink)
+                   causal, window_size, softcap, alibi_slopes, dropout_p, varlen=False, learnable_sink=learnable_sink,
+                   attention_chunk=attention_chunk)
 
 
 def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, q, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, dropout_p, varlen, paged=False, learnable_sink=None) -> AttnProblem:
+            window_size, softcap, alibi_slopes, dropout_p, varlen, paged=False, learnable_sink=None,
+            attention_chunk=0) -> AttnProblem:
     if head_dim_k != head_dim:
         raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -257,12 +269,12 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
     left, right = normalize_window(causal, window_size)
     return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q.dtype, softmax_scale,
                        left, right, float(softcap), alibi_slopes is not None, varlen, paged, check_dropout(dropout_p),
-                       check_sink(learnable_sink, nheads, q.device))
+                       check_sink(learnable_sink, nheads, q.device), check_chunk(attention_chunk))
 
 
 def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, dropout_p, seqused_q=None, seqused_k=None,
-                   block_table=None, learnable_sink=None) -> AttnProblem:
+                   block_table=None, learnable_sink=None, attention_chunk=0) -> AttnProblem:
     """Validate flash_attn_varlen_func arguments and describe the problem.
 
     q (total_q, H, D); k/v (total_k, Hk, D), or paged caches (num_blocks, page_size, Hk, D) with block_table
@@ -302,7 +314,7 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             _check_block_table(block_table, lengths_k, k.shape[0], k.shape[1])
     return _common(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, dropout_p, varlen=True, paged=paged,
-                   learnable_sink=learnable_sink)
+                   learnable_sink=learnable_sink, attention_chunk=attention_chunk)
 
 
 def _check_cu_seqlens(name: str, t, device) -> None:
@@ -394,6 +406,7 @@ class KVCacheProblem:
     softcap: float
     block_table: Optional[torch.Tensor]  # block_table or page_table, whichever was given
     cache_seqlens: torch.Tensor  # (batch,) int32; an int or None made a tensor
+    attention_chunk: int = 0
 
 
 def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
@@ -403,7 +416,7 @@ def capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
 
 def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     cache_leftpad, block_table, page_table, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, num_splits, learnable_sink=None) -> KVCacheProblem:
+                    alibi_slopes, num_splits, learnable_sink=None, attention_chunk=0) -> KVCacheProblem:
     """Validate flash_attn_with_kvcache's arguments (kvcache.py documents them) and describe the call. The values
     of the index tensors are checked as Note [cache index checks] says."""
     if page_table is not None:
@@ -464,6 +477,7 @@ def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     softmax_scale = check_scalar_args(0.0, softmax_scale, softcap, head_dim)
     check_alibi(alibi_slopes, batch, nheads, q.device)
     check_sink(learnable_sink, nheads, q.device)
+    attention_chunk = check_chunk(attention_chunk)
     window_left, window_right = normalize_window(causal, window_size)
     # flash-attn's rule: a window reaching past the capacity restricts nothing, so it is not local (this also
     # decides at which positions q is rotated).
@@ -491,7 +505,7 @@ def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
 
     return KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, cap, seqlen_new, softmax_scale, window_left,
-                          window_right, float(softcap), block_table, cache_seqlens)
+                          window_right, float(softcap), block_table, cache_seqlens, attention_chunk)
 
 
 def _cache_value_checks(device, paged: bool, *tensors) -> bool:

@@ -6,13 +6,16 @@ same way. Nothing here runs a Triton kernel.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
 
-def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, device=None) -> torch.Tensor:
-    """(Sq, Sk) bool: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1: unbounded)."""
+def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, device=None,
+                 attention_chunk: int = 0) -> torch.Tensor:
+    """(Sq, Sk) bool: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (-1: unbounded), and
+    with attention_chunk > 0 iff j lies in the chunk of attention_chunk keys that i + Sk - Sq falls in."""
     i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
     j = torch.arange(seqlen_k, device=device)[None, :]
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
@@ -20,12 +23,15 @@ def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
         visible &= j <= i + window_right
     if window_left >= 0:
         visible &= j >= i - window_left
+    if attention_chunk > 0:
+        visible &= torch.div(j, attention_chunk, rounding_mode="floor") == torch.div(i, attention_chunk,
+                                                                                     rounding_mode="floor")
     return visible
 
 
 def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                   softmax_scale=None, upcast=True, return_probs=False, dropout_mask=None, dropout_p=0.0,
-                  learnable_sink=None):
+                  learnable_sink=None, attention_chunk=0):
     """Attention computed the plain way. q (B, Sq, H, D), k/v (B, Sk, Hk, D); returns (out, lse), and the
     probabilities P (B, H, Sq, Sk) too with return_probs (for accumulation_floor).
 
@@ -60,7 +66,7 @@ def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alib
         i = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
         j = torch.arange(seqlen_k, device=q.device)[None, :]
         scores = scores - slopes * (i - j).abs().to(scores.dtype)
-    visible = visible_mask(seqlen_q, seqlen_k, left, right, q.device)
+    visible = visible_mask(seqlen_q, seqlen_k, left, right, q.device, attention_chunk)
     scores = scores.masked_fill(~visible, float("-inf"))
     if learnable_sink is not None:
         sink = learnable_sink.to(scores.dtype).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
@@ -79,6 +85,32 @@ def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alib
     if return_probs:
         return out.to(dtype), lse, attn
     return out.to(dtype), lse
+
+
+# Scalar arguments of the custom ops whose value switches a feature off (op_args fills them in).
+_OFF = dict(window_left=-1, window_right=-1, attention_chunk=0, softcap=0.0, dropout_p=0.0, packing=0)
+
+
+def op_args(op, **named) -> tuple:
+    """The positional arguments of a flashtile custom op (or of any function, e.g. ops.call.op_problem) from their
+    names: optional tensors not named are None, and the feature scalars not named are off (_OFF). So a call site
+    in a test or tool names what it uses and survives a new input or feature of the op."""
+    params = inspect.signature(getattr(op, "impl", op)).parameters
+    args = []
+    for name, param in params.items():
+        if name in named:
+            args.append(named.pop(name))
+        elif name in _OFF:
+            args.append(_OFF[name])
+        elif "Optional" in str(param.annotation) or param.default is None:
+            args.append(None)
+        elif param.default is not inspect.Parameter.empty:
+            break
+        else:
+            raise TypeError(f"{getattr(op, '__name__', op)} needs {name!r}")
+    if named:
+        raise TypeError(f"{getattr(op, '__name__', op)} takes no {sorted(named)}")
+    return tuple(args)
 
 
 def accumulation_floor(q, k, v, dout, out, probs, softmax_scale=None) -> dict:
@@ -161,3 +193,48 @@ def nan_guarded(shape, dtype, device="cpu", generator=None, pad_last: int = 8) -
     view = buf[(1,) + tuple(slice(0, n) for n in shape)]
     view.copy_(torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype))
     return view
+
+
+def check_attention(q, k, v, dout, **kw) -> None:
+    """flash_attn_func's output, lse and gradients for (q, k, v, dout) against the fp64 oracle: within 2x (output,
+    lse) or 3x (gradients) of PyTorch's own error doing the same math in the input dtype, plus the accumulation
+    floors. `kw` are the keyword arguments flash_attn_func and attention_ref share (masks, softcap, alibi, chunks)."""
+    from flashtile import flash_attn_func
+    dtype = q.dtype
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flash_attn_func(*inputs, return_attn_probs=True, **kw)
+    grads = torch.autograd.grad(out, inputs, dout)
+    # The oracle runs on fp64 copies, so its outputs and gradients are not rounded back to the input dtype.
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse, probs = attention_ref(*ref_in, **kw, return_probs=True)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout)
+    floors = accumulation_floor(q, k, v, dout, ref_out, probs)
+    pt_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    pt_out, pt_lse = attention_ref(*pt_in, upcast=False, **kw)
+    pt_grads = torch.autograd.grad(pt_out, pt_in, dout)
+    check_close("out", out, ref_out, pt_out, 2, floor=floors["out"])
+    check_close("lse", lse, ref_lse, pt_lse.to(dtype), 2, floor=floors["lse"])
+    scale = max(gr.abs().max().item() for gr in ref_grads)
+    for name, ours, ref, pt in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        check_close(name, ours, ref, pt, 3, scale, floor=floors[name])
+
+
+def kvcache_inputs(device, batch, capacity, nheads, nheads_kv, head_dim, seqlen_new, page_size=None, seed=0):
+    """Random fp16 inputs for flash_attn_with_kvcache: q, the caches (contiguous, or paged through an identity
+    block_table), the new keys and values, and the logical (batch, capacity, ...) caches the oracle reads.
+    Returns a dict; its "kwargs" holds block_table when paged."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, capacity, nheads_kv, head_dim)
+    logical_k, logical_v = (torch.randn(shape, generator=g).to(device, torch.float16) for _ in range(2))
+    q = torch.randn(batch, seqlen_new, nheads, head_dim, generator=g).to(device, torch.float16)
+    new_k, new_v = (torch.randn(batch, seqlen_new, nheads_kv, head_dim, generator=g).to(device, torch.float16)
+                    for _ in range(2))
+    kwargs = {}
+    if page_size:
+        pages = batch * capacity // page_size
+        k_cache, v_cache = (t.reshape(pages, page_size, nheads_kv, head_dim).clone() for t in (logical_k, logical_v))
+        kwargs["block_table"] = torch.arange(pages, dtype=torch.int32, device=device).reshape(batch, -1)
+    else:
+        k_cache, v_cache = logical_k.clone(), logical_v.clone()
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=new_k, v=new_v, logical_k=logical_k, logical_v=logical_v,
+                kwargs=kwargs)

@@ -159,7 +159,7 @@ def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
                  seqused_q=None, seqused_k=None, alibi_slopes=None, learnable_sink=None, rng=None,
                  max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
                  softmax_scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale), window_left=left,
-                 window_right=right, softcap=0.0, dropout_p=0.0, packing=PACK_NONE)
+                 window_right=right, attention_chunk=0, softcap=0.0, dropout_p=0.0, packing=PACK_NONE)
     names = _parameters(attention_bwd)
     if missing := [n for n in names if n not in named]:
         raise TypeError(f"flashtile::bwd takes {missing}, which flashtile/integrations/sdpa.py does not pass")

@@ -75,10 +75,10 @@ def _wait_delta(ready, rows):
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
-                    seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                    seqlen_q, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                     seed, stream, bh, threshold, drop_scale, n_start,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
@@ -96,7 +96,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         s2T, tT = logits(qkT, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
-            s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False)
+            s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False, chunk, MASK_CHUNK)
         pT = tl.math.exp2(s2T - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
@@ -127,11 +127,11 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32,
-    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32,
+    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32, chunk: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     STEP: tl.constexpr,
 ):
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
@@ -157,7 +157,7 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
-                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
     if HAS_DROPOUT:
         seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
@@ -175,17 +175,20 @@ def _bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, full_lo,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream,
+                                 seqlen_q, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream,
                                  b * heads_kv * GROUP + h, threshold, drop_scale, n_start, BLOCK_M, True,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+                                 MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
+                                 DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_lo, full_hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream,
+                                 seqlen_q, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream,
                                  b * heads_kv * GROUP + h, threshold, drop_scale, n_start, BLOCK_M, False,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+                                 MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
+                                 DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, full_hi, hi,
-                                 seqlen_q, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream,
+                                 seqlen_q, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream,
                                  b * heads_kv * GROUP + h, threshold, drop_scale, n_start, BLOCK_M, True,
-                                 MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+                                 MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
+                                 DOT_PRECISION)
     store_once(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh, n_start, seqlen_k, stride_dkn,
                dk * softmax_scale, HEAD_DIM)
     store_once(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh, n_start, seqlen_k, stride_dvn,
@@ -198,9 +201,9 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, hi,
-                  seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                  seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr,
-                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
@@ -220,7 +223,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s2, t = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
-            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as in _bwd_dkdv_inner
@@ -246,11 +249,11 @@ def _bwd_dq_kernel(
     stride_ob, stride_om, stride_oh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32,
-    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32,
+    seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32, chunk: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     STEP: tl.constexpr, LISTED: tl.constexpr, DESC: tl.constexpr, PUBLISH: tl.constexpr,
 ):
     if PDL:
@@ -302,25 +305,28 @@ def _bwd_dq_kernel(
     bh = b * heads + h
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
-                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     # Each loop only where it can have blocks: an empty pipelined loop still costs ~0.4 µs (its prologue's waits;
-    # H200 trace). Only a window's left edge makes a masked front, and its loop is not under a runtime
-    # `if`: ptxas serialised every wgmma of the kernel when it was (the `if` yields dq from the loop's wgmma, whose
-    # registers get moved; docs/design/hopper-pipeline.md). Unmasked tiles often have no masked tail.
-    if MASK_LEFT:
+    # H200 trace). Only a window's left edge or a chunk's start makes a masked front, and its loop is not under a
+    # runtime `if`: ptxas serialised every wgmma of the kernel when it was (the `if` yields dq from the loop's wgmma,
+    # whose registers get moved; docs/design/hopper-pipeline.md). Unmasked tiles often have no masked tail.
+    if MASK_LEFT or MASK_CHUNK:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, full_lo, seqlen_k, diag,
-                           wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                           wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
                            BLOCK_N, BLOCK_D, DESC, True,
-                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+                           MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
+                           DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_lo, full_hi, seqlen_k, diag,
-                       wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                       wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
                        BLOCK_N, BLOCK_D, DESC, False,
-                       MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+                       MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
+                       DOT_PRECISION)
     if full_hi < hi:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_hi, hi, seqlen_k, diag,
-                           wl, wr, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
+                           wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
                            BLOCK_N, BLOCK_D, DESC, True,
-                           MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
+                           MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
+                           DOT_PRECISION)
     store_once(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh, m_start, seqlen_q, stride_dqm,
                dq * softmax_scale, HEAD_DIM)
     if PUBLISH:

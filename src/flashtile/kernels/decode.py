@@ -60,12 +60,12 @@ def _load_kv(ptrs, row_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOC
 
 @triton.jit
 def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo, hi,
-                  r_lo, r_hi, seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                  r_lo, r_hi, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                   stride_btb, page_size, page_mul, page_shift, num_pages,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr,
-                  MASK_RIGHT: tl.constexpr,
+                  MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
@@ -91,7 +91,7 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s2, _ = logits(s, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
-            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+            s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p, alpha, l_i, m_i = online_softmax_step(s2, 1.0, m_i, l_i, MASKED)
         v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d, row_ok, d,
                      MASKED, HEAD_DIM, BLOCK_D)
@@ -112,13 +112,13 @@ def _decode_kernel(
     stride_btb, stride_ab, stride_cos,
     seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
     num_splits, num_m_tiles,
-    qk_scale, softcap2, wl, wr,
+    qk_scale, softcap2, wl, wr, chunk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
     # M tiles of one split are neighbours in launch order, so they share the split's K/V through L2.
@@ -169,7 +169,7 @@ def _decode_kernel(
     # changes nothing), then the left padding, whose first block is partial and so masked.
     t_first = m_tile * BLOCK_M // GROUP
     lo, full_lo, full_hi, hi = kv_block_range(t_first, seqlen_q, r_hi, wl, wr, BLOCK_T, BLOCK_N,
-                                              MASK_LEFT, MASK_RIGHT)
+                                              MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK, r_lo)
     if HAS_LEFTPAD:
         lo = tl.minimum(tl.maximum(lo, (r_lo // BLOCK_N) * BLOCK_N), hi)
         full_lo = tl.minimum(tl.maximum(full_lo, tl.cdiv(r_lo, BLOCK_N) * BLOCK_N), hi)
@@ -184,25 +184,25 @@ def _decode_kernel(
     # This split's share of: the masked left edge, the mask-free interior, the masked right edge.
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
-                                  qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
+                                  chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
-                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
-                                  seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                                  seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
-                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
-                                  qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
+                                  chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
-                                  HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + h, mask=row_ok, other=0.0) * LOG2E

@@ -58,9 +58,11 @@ def dropout_probs_kernel(
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_lb, stride_lh, stride_sb, stride_sh, stride_sm, stride_ab,
     seqlen_q: tl.int32, seqlen_k: tl.int32, nheads: tl.int32, group: tl.int32, wl: tl.int32, wr: tl.int32,
+    chunk: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """S[b, h, i, j] = P[i, j] if entry (i, j) survives dropout, else -max(P[i, j], TINY); 0 outside the
     sequence's seqlen_q x seqlen_k. Grid (query tiles, key tiles, B * H) over S's rounded shape."""
@@ -90,7 +92,7 @@ def dropout_probs_kernel(
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + b * stride_ab + h) * LOG2E
     s2, _ = logits(qk, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
-    s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+    s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
     lse2 = tl.load(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + rows, mask=rows < seqlen_q,
                    other=float("inf")) * LOG2E
     p = tl.math.exp2(s2 - lse2[:, None])

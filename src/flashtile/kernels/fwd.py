@@ -69,12 +69,12 @@ def _load_kv(src, start, start_n, b, hk, page, off, stride_page, stride_row, row
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
-               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+               seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages,
                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, bh, threshold,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                PAGED: tl.constexpr, DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+               MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -103,7 +103,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
             s = qk
             scale = qk_scale
         if MASKED:
-            s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True)
+            s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
         if HAS_DROPOUT:
             p = tl.where(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), p, 0.0)
@@ -129,12 +129,12 @@ def _attn_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32, stride_btb: tl.int32,
     seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, page_size: tl.int32, page_mul: tl.int64,
-    page_shift: tl.int32, num_pages: tl.int32, wl: tl.int32, wr: tl.int32,
+    page_shift: tl.int32, num_pages: tl.int32, wl: tl.int32, wr: tl.int32, chunk: tl.int32,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
@@ -188,28 +188,28 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
-                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     # Left edge of a sliding window, mask-free interior, then the diagonal / right edge / ragged last block.
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, full_lo,
-                               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                               seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_lo, full_hi,
-                               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                               seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, DESC, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_hi, hi,
-                               seqlen_k, diag, wl, wr, qk_scale, softcap2, slope2,
+                               seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
 
     if HAS_SINK:

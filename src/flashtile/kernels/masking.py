@@ -7,6 +7,9 @@ Notation used by every kernel in this package:
   wl, wr      window_left / window_right as runtime scalars; key j is visible to query i iff
               i + diag - wl <= j <= i + diag + wr. Causal is the window (wl = inf, wr = 0), so the kernels know
               only two constexpr flags: MASK_LEFT (wl is bounded) and MASK_RIGHT (wr is bounded).
+  chunk       chunked attention (Llama 4; FlashAttention-3's attention_chunk), flag MASK_CHUNK: the key axis is cut
+              into chunks of `chunk` keys, and query i sees only keys of the chunk its position i + diag falls in:
+              c(i) <= j < c(i) + chunk with c(i) = floor((i + diag) / chunk) * chunk, besides the window's bounds.
   s2          a logit in log2 units: softmax(s) == exp2(s2 - max) / sum, with s2 = logit * log2(e). Working in
               log2 units lets every exponential be an exp2 and folds the scale into one multiply.
 
@@ -27,13 +30,22 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def chunk_start(x, chunk):
+    """floor(x / chunk) * chunk for either sign of x (integer division truncates toward zero)."""
+    return tl.where(x >= 0, x // chunk, -((chunk - 1 - x) // chunk)) * chunk
+
+
+@triton.jit
 def kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, chunk=0, MASK_CHUNK: tl.constexpr = False,
+                   origin=0):
     """Key blocks for query rows [m_start, m_start + BLOCK_M): returns (lo, full_lo, full_hi, hi).
 
     Blocks in [full_lo, full_hi) are fully visible to every row of the tile and lie inside seqlen_k; the rest of
-    [lo, hi) needs `apply_mask`. All four are multiples of BLOCK_N except hi, which may be seqlen_k.
+    [lo, hi) needs `apply_mask`. All four are multiples of BLOCK_N except hi, which may be seqlen_k. `origin`: where
+    key 0 sits in the coordinates of the range (decode's physical cache rows put it at the left padding), which
+    chunk boundaries count from.
     """
     diag = seqlen_k - seqlen_q
     m_last = m_start + BLOCK_M - 1
@@ -48,6 +60,15 @@ def kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
     if MASK_LEFT:
         lo = (tl.maximum(m_start + diag - wl, 0) // BLOCK_N) * BLOCK_N
         full_lo = tl.cdiv(tl.maximum(m_last + diag - wl, 0), BLOCK_N) * BLOCK_N
+    if MASK_CHUNK:
+        # The first row's chunk starts first and ends first: keys from its start to the last row's end are
+        # needed, and only keys in both the first row's chunk and the last row's are seen by every row.
+        c_first = origin + chunk_start(m_start + diag - origin, chunk)
+        c_last = origin + chunk_start(m_last + diag - origin, chunk)
+        hi = tl.minimum(hi, tl.maximum(c_last + chunk, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(c_first + chunk, 0) // BLOCK_N) * BLOCK_N)
+        lo = tl.maximum(lo, (tl.maximum(c_first, 0) // BLOCK_N) * BLOCK_N)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(c_last, 0), BLOCK_N) * BLOCK_N)
     lo = tl.minimum(lo, hi)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -57,7 +78,7 @@ def kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,
 @triton.jit
 def q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, chunk=0, MASK_CHUNK: tl.constexpr = False):
     """Query blocks that see key columns [n_start, n_start + BLOCK_N): returns (lo, full_lo, full_hi, hi).
 
     Query blocks in [full_lo, full_hi) see every key of the block; the others need `apply_mask`. Query rows past
@@ -77,6 +98,14 @@ def q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
         # Query i sees key j only if i <= j - diag + wl.
         hi = tl.minimum(hi, tl.maximum(n_last - diag + wl + 1, 0))
         full_hi = tl.minimum(full_hi, (tl.maximum(n_start - diag + wl + 1, 0) // BLOCK_M) * BLOCK_M)
+    if MASK_CHUNK:
+        # Query i sees key j only if i + diag lies in j's chunk: [c(j), c(j) + chunk).
+        c_first = chunk_start(n_start, chunk)
+        c_last = chunk_start(n_last, chunk)
+        lo = tl.maximum(lo, (tl.maximum(c_first - diag, 0) // BLOCK_M) * BLOCK_M)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(c_last - diag, 0), BLOCK_M) * BLOCK_M)
+        hi = tl.minimum(hi, tl.maximum(c_last + chunk - diag, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(c_first + chunk - diag, 0) // BLOCK_M) * BLOCK_M)
     lo = tl.minimum(lo, hi)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -85,7 +114,8 @@ def q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
 
 @triton.jit
 def apply_mask(s2, i, j, seqlen_k, diag, wl, wr,
-               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_SEQLEN_K: tl.constexpr):
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_SEQLEN_K: tl.constexpr, chunk=0,
+               MASK_CHUNK: tl.constexpr = False):
     """Set invisible entries of the logit tile s2 to -inf. i and j broadcast against s2 (either orientation)."""
     visible = j >= 0
     if MASK_SEQLEN_K:
@@ -94,6 +124,9 @@ def apply_mask(s2, i, j, seqlen_k, diag, wl, wr,
         visible = visible & (j <= i + diag + wr)
     if MASK_LEFT:
         visible = visible & (j >= i + diag - wl)
+    if MASK_CHUNK:
+        c = chunk_start(i + diag, chunk)
+        visible = visible & (j >= c) & (j < c + chunk)
     return tl.where(visible, s2, float("-inf"))
 
 

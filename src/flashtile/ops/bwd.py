@@ -72,12 +72,14 @@ def attention_bwd(
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     learnable_sink: Optional[torch.Tensor], rng: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+    attention_chunk: int,
     softcap: float, dropout_p: float, packing: int,
 ) -> list[torch.Tensor]:
     """Gradients for the packing of the inputs: [dq, dk, dv], [dqkv] or [dq, dkv], then the learnable sink's if
     there is one. With dropout_p > 0, rng is the forward's: the kernels regenerate its mask."""
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                    learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                    learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                    attention_chunk, softcap,
                     dropout_p, packing)
 
 
@@ -96,27 +98,26 @@ def sink_gradient(learnable_sink: torch.Tensor, lse: torch.Tensor, delta: Option
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, learnable_sink,
-             rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
-             plan: Optional[Plan] = None) -> list[torch.Tensor]:
+             rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap,
+             dropout_p, packing, plan: Optional[Plan] = None) -> list[torch.Tensor]:
     """attention_bwd's implementation. `plan`: the forward's (ops/fwd.forward), used for whatever lists of this
     backward's it holds (Note [one plan per step]); a plan may serve one backward only (its dK/dV work counter)."""
     grads, delta = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                              alibi_slopes, learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             window_left, window_right, softcap, dropout_p, packing, plan)
+                             window_left, window_right, attention_chunk, softcap, dropout_p, packing, plan)
     if learnable_sink is None:
         return grads
     return [*grads, sink_gradient(learnable_sink, lse, delta)]
 
 
 def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, learnable_sink,
-              rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
-              plan: Optional[Plan]) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+              rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap,
+              dropout_p, packing, plan: Optional[Plan]) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
     """The gradients of q, k and v, and the delta the dQ kernel wrote (None when nothing ran)."""
     grads, (dq, dk, dv) = _grad_buffers(q, k, v, packing)
     p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, learnable_sink,
-                   rng, max_seqlen_q,
-                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing, dout, out,
-                   lse)
+                   rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk,
+                   softcap, dropout_p, packing, dout, out, lse)
     q, k, v, dout, out, varlen = p.q, p.k, p.v, p.dout, p.out, p.varlen
     if seqused_q is not None:
         dq.zero_()  # rows past seqused_q[b] are ignored by the forward; their gradient is 0
@@ -165,7 +166,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
 
     def static(kernel):
         flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
-                             p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p)
+                             p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p,
+                             chunk=p.attention_chunk)
         del flags["HAS_SINK"]  # a sink changes only the lse, from which the backward's P comes (sink_gradient)
         constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
         if kernel == "bwd_dq":
@@ -176,7 +178,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
                    *bmh_strides(dout, varlen))
         tail = (*lse_strides(lse, varlen), alibi_batch_stride(p.alibi_slopes), seqlen_q, seqlen_k, batch,
-                p.window_left, p.window_right)
+                p.window_left, p.window_right, p.attention_chunk)
         if kernel == "bwd_dq":
             return Static((*strides, *bmh_strides(out, varlen), *bmh_strides(dq, varlen), *tail), constexprs,
                           lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads, varlen))
@@ -213,7 +215,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, learnable_sink, rng,
-      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
+      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap, dropout_p,
+      packing):
     if packing == PACK_QKV:
         grads = [q.new_empty(q.shape)]
     elif packing == PACK_KV:

@@ -57,6 +57,7 @@ class OpProblem(NamedTuple):
     softmax_scale: float
     window_left: int
     window_right: int
+    attention_chunk: int  # 0: off
     softcap: float
     dropout_p: float
     packing: int
@@ -88,7 +89,8 @@ _keyed = operator.itemgetter(*(i for i, name in enumerate(OpProblem._fields)
 
 
 def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
-               learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
+               learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+               attention_chunk, softcap, dropout_p, packing,
                dout=None, out=None, lse=None) -> OpProblem:
     """The OpProblem of flashtile::fwd's arguments, or with dout, out and lse flashtile::bwd's."""
     paged = block_table is not None
@@ -107,7 +109,8 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
     seqused = seqused_q is not None or seqused_k is not None
     fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
                                          alibi=alibi_slopes is not None, dropout=dropout_p > 0.0,
-                                         sink=learnable_sink is not None) if k.numel() > 0 else "no keys"
+                                         sink=learnable_sink is not None, chunk=attention_chunk > 0) \
+        if k.numel() > 0 else "no keys"
     bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
     pdl, dq_list_block = False, 0
     if dout is not None:
@@ -119,5 +122,6 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
     return OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                      learnable_sink, rng, dout,
                      out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                     float(softmax_scale), window_left, window_right, float(softcap), float(dropout_p), packing,
+                     float(softmax_scale), window_left, window_right, attention_chunk, float(softcap),
+                     float(dropout_p), packing,
                      self_attn, fwd_unsupported, bwd_unsupported, pdl, dq_list_block)

@@ -53,7 +53,7 @@ MAX_SPLITS = 128
 
 
 # The subset of problem.kernel_flags that the decode kernel takes (it has no varlen query and no seqused).
-_SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST", "DOT_PRECISION")
+_SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST", "DOT_PRECISION")
 
 
 def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int) -> int:
@@ -184,7 +184,8 @@ def decode(
     block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
     learnable_sink: Optional[torch.Tensor],
-    seqlen_new: int, softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+    seqlen_new: int, softmax_scale: float, window_left: int, window_right: int, attention_chunk: int, softcap: float,
+    num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) over rows [leftpad, cache_seqlens + seqlen_new) of each sequence's cache.
 
@@ -211,7 +212,8 @@ def decode(
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
-    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype)
+    flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype,
+                         chunk=attention_chunk)
     grid = (num_m_tiles * num_splits, nheads_kv, batch)
     launch_direct(
         _decode_kernel, grid,
@@ -223,7 +225,7 @@ def decode(
         seqlen_q, seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
         seqlen_ro, num_splits,
         num_m_tiles,
-        qk_scale, softcap2, window_left, window_right,
+        qk_scale, softcap2, window_left, window_right, attention_chunk,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
         GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
@@ -240,6 +242,6 @@ def decode(
 @decode.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
       rotary_cos, rotary_sin, rotary_interleaved, learnable_sink, seqlen_new, softmax_scale, window_left,
-      window_right, softcap, num_splits):
+      window_right, attention_chunk, softcap, num_splits):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)

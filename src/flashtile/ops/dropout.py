@@ -47,6 +47,7 @@ def dropout_probs(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+    attention_chunk: int,
     softcap: float, dropout_p: float,
 ) -> torch.Tensor:
     """S_dmask (module docstring) of the forward whose lse and rng these are. q (B, Sq, H, D) or (total_q, H, D),
@@ -60,7 +61,7 @@ def dropout_probs(
         return s
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, varlen,
-                         seqused_q is not None, seqused_k is not None, q.dtype, dropout_p)
+                         seqused_q is not None, seqused_k is not None, q.dtype, dropout_p, chunk=attention_chunk)
     q_strides = (0, *q.stride()[:2]) if varlen else q.stride()[:3]
     k_strides = (0, *k.stride()[:2]) if varlen else k.stride()[:3]
     lse_strides = (0, lse.stride(0)) if varlen else lse.stride()[:2]
@@ -69,14 +70,14 @@ def dropout_probs(
     launch_direct(dropout_probs_kernel, grid, q, k, lse, s, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, qk_scale, softcap2, dropout_p, *q_strides, *k_strides, *lse_strides, *s.stride()[:3],
                   alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, nheads, nheads // k.shape[-2], window_left,
-                  window_right, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=_BLOCK, BLOCK_N=_BLOCK,
+                  window_right, attention_chunk, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=_BLOCK, BLOCK_N=_BLOCK,
                   **{name: flags[name] for name in ("IS_VARLEN", "HAS_SEQUSED_Q", "HAS_SEQUSED_K", "MASK_LEFT",
-                                                    "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI")})
+                                                    "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_ALIBI")})
     return s
 
 
 @dropout_probs.register_fake
 def _(q, k, lse, rng, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, dropout_p):
+      softmax_scale, window_left, window_right, attention_chunk, softcap, dropout_p):
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     return q.new_empty((batch, q.shape[-2], _rounded(max_seqlen_q), _rounded(max_seqlen_k)), dtype=torch.float32)

@@ -62,6 +62,7 @@ def attention_fwd(
     seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor], rng: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+    attention_chunk: int,
     softcap: float, dropout_p: float, packing: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q).
@@ -73,19 +74,22 @@ def attention_fwd(
     """
     out, lse, _ = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                           learnable_sink, rng,
-                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p,
+                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk,
+                          softcap, dropout_p,
                           packing)
     return out, lse
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink,
-            rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing,
+            rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap, dropout_p,
+            packing,
             for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[Plan]]:
     """attention_fwd's implementation; also returns a varlen call's plan (ops/schedule.varlen_plan, else None). With
     `for_backward` that plan also holds the lists the backward's kernels read where one plan can (self-attention,
     lists of one block: Note [one plan per step] in ops/bwd.py), so that the backward launches none."""
     p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
-                   learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing)
+                   learnable_sink, rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                   attention_chunk, softcap, dropout_p, packing)
     q, k, v, varlen, paged, gluon = p.q, p.k, p.v, p.varlen, p.paged, p.fwd_gluon
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv,
                                                               p.head_dim)
@@ -136,7 +140,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     def static():
         flags = kernel_flags(p.window_left, p.window_right, p.softcap, p.alibi_slopes is not None, varlen,
                              p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p,
-                             p.learnable_sink is not None)
+                             p.learnable_sink is not None, p.attention_chunk)
         # A paged cache is (num_blocks, page_size, Hk, D): its "batch" and row strides are the page and in-page
         # ones.
         kv_strides = (*bmh_strides(k, varlen and not paged), *bmh_strides(v, varlen and not paged))
@@ -144,7 +148,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
                                             else (0, 1, batch))
         args = (*bmh_strides(q, varlen), *kv_strides, *bmh_strides(out, varlen), *lse_strides(lse, varlen),
                 alibi_batch_stride(p.alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
-                *fast_divisor(page_size), num_pages, p.window_left, p.window_right)
+                *fast_divisor(page_size), num_pages, p.window_left, p.window_right, p.attention_chunk)
         constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, STEP=schedule_step(batch, varlen),
                           **head_dims(head_dim), **flags)
         return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads,
@@ -163,7 +167,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
 
 @attention_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink, rng,
-      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, packing):
+      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap, dropout_p,
+      packing):
     q, _, _ = unpack(q, k, v, packing)
     varlen = cu_seqlens_q is not None
     return (q.new_empty(q.shape), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))

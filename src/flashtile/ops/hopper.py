@@ -55,7 +55,7 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False, sink: bool = False) -> Optional[str]:
+                       dropout: bool = False, sink: bool = False, chunk: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
     `head_dim` is the padded one the kernels see."""
     if env.INTERPRET:
@@ -70,12 +70,12 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     return feature_unsupported(dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap, alibi=alibi,
-                               dropout=dropout, sink=sink)
+                               dropout=dropout, sink=sink, chunk=chunk)
 
 
 def feature_unsupported(dtype: torch.dtype, head_dim: int, *, paged: bool = False, seqused: bool = False,
                         softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-                        sink: bool = False) -> Optional[str]:
+                        sink: bool = False, chunk: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -84,7 +84,7 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, paged: bool = Fals
         return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout"),
-                       (sink, "learnable_sink")):
+                       (sink, "learnable_sink"), (chunk, "attention_chunk")):
         if cond:
             return f"{what}: not in the Gluon kernels"
     return None
@@ -96,14 +96,14 @@ _LOGGED: set[str] = set()
 
 def log_fallback(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
                  seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-                 sink: bool = False) -> None:
+                 sink: bool = False, chunk: bool = False) -> None:
     """On an sm_90 device, log once per reason (at DEBUG, logger "flashtile") that a call runs the Triton kernels
     instead of the Gluon ones, and why. The public API calls it only when that logger takes DEBUG records, so an
     ordinary call pays one isEnabledFor check; the decision itself stays with ops/call.py."""
     if not on_gpu(device) or capability(device) != (9, 0):
         return
     reason = hopper_unsupported(device, dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
-                                alibi=alibi, dropout=dropout, sink=sink)
+                                alibi=alibi, dropout=dropout, sink=sink, chunk=chunk)
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)
         _log.debug("flashtile: sm_90 call runs the Triton kernels, not the Gluon ones: %s", reason)

@@ -199,7 +199,7 @@ def head_dims(head_dim: int) -> dict:
 # the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
 # problem class serves every length.
 _TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI",
-             "HAS_DROPOUT", "HAS_SINK"]
+             "HAS_DROPOUT", "HAS_SINK", "MASK_CHUNK"]
 
 
 @functools.cache
