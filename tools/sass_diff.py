@@ -100,6 +100,9 @@ def dump(tree: str, group: str, out_dir: str, only: str | None) -> None:
             f.write(raw)
         with open(os.path.join(out_dir, stem + ".sass"), "w") as f:
             f.write("\n".join(normalise(raw)) + "\n")
+        for stage in ("ttgir", "llir", "ptx"):  # for finding where a difference comes from (--keep)
+            with open(os.path.join(out_dir, f"{stem}.{stage}"), "w") as f:
+                f.write(compiled.asm[stage])
         index[key] = (stem, description + f" shared={compiled.metadata.shared}")
         print(f"built {description}", file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, "index.json"), "w") as f:

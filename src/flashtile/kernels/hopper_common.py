@@ -4,8 +4,13 @@ places a varlen batch's packed layout needs more than a TMA box (Note [varlen de
 Gluon only (sm_90).
 """
 
+import hashlib
+import inspect
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+from triton.language.core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .masking import kv_block_range
@@ -32,6 +37,90 @@ def ring_barriers(STAGES: gl.constexpr, HELD: gl.constexpr):
     empty = barrier_array(STAGES, 2)  # one arrival from each consumer
     fence_async_shared()  # the initialised barriers, before the TMA unit and the other partitions use them
     return held, ready, empty
+
+
+def _apply(a, op: str, b, _semantic):
+    """`a <op> b` as the code generator emits it for a Gluon function's expression: the tensor's operator method,
+    or Python's own on two constexprs (a dense program's positions start at a constant 0)."""
+    if isinstance(a, gl.tensor):
+        return getattr(a, op)(b, _semantic=_semantic)
+    return gl.constexpr(getattr(gl.constexpr(a).value, op)(gl.constexpr(b).value))
+
+
+@aggregate
+class Ring:
+    """A ring of STAGES slots that the loader fills and both consumers read (Note [ring positions]): `ready[s]`
+    completes a phase when a fill of slot s has landed, `empty[s]` when both consumers have released it. Every
+    index and phase of a ring is computed here, from the position alone. The methods are builtins, not Gluon
+    functions (Note [ring methods are builtins]).
+
+    Note [ring positions]: the loader and each consumer count a ring's fills from the program's first, on from one
+    item to the next (a persistent program's item starts where the last one ended: `it0`), and so agree on every
+    position without talking. Position it is slot it % STAGES's (it // STAGES)-th fill: the phase of `ready` it
+    completes, and of `empty` its release completes, is (it // STAGES) & 1. The loader waits for the release of
+    the slot's previous fill, the phase before, ((it // STAGES) & 1) ^ 1, which a fresh barrier counts as
+    complete, so the first STAGES fills wait for nothing. A consumer releases every position, the ones it does not
+    compute included (pass_over): the `empty` barriers count two arrivals a phase, one from each consumer.
+
+    Note [ring methods are builtins]: a Gluon function call is inlined, but it leaves an inlined scope in the
+    debug line info, whose bounds become labels in the PTX, and ptxas schedules differently around them: with the
+    ring's methods as Gluon functions the sm_90 SASS of 2 of the 7 dQ kernels changed (22 and 30 instructions
+    moved; the PTX without its labels was the same). As builtins they emit their operations at the caller's line
+    and leave the SASS instruction for instruction as the hand-written arithmetic (tools/sass_diff.py). Triton
+    leaves builtins out of its cache key, so their source enters it through __init__ (_RING_SOURCE)."""
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ready, empty, STAGES):
+        assert _RING_SOURCE  # Note [ring methods are builtins]: the builtins' source, in the cache key
+        self.ready = ready
+        self.empty = empty
+        self.STAGES = gl.constexpr(STAGES)
+
+    @builtin
+    def slot(self, it, _semantic=None):
+        """Position it's slot: the index of its buffers (and barriers)."""
+        return _apply(it, "__mod__", self.STAGES, _semantic)
+
+    @builtin
+    def ready_bar(self, it, _semantic=None):
+        """The barrier a fill of position it lands on (its TMA loads' `expect`)."""
+        return self.ready.index(self.slot(it, _semantic=_semantic), _semantic=_semantic)
+
+    @builtin
+    def wait_ready(self, it, _semantic=None):
+        """A consumer: wait for position it's fill to land."""
+        bar = self.ready_bar(it, _semantic=_semantic)
+        phase = _apply(_apply(it, "__floordiv__", self.STAGES, _semantic), "__and__", 1, _semantic)
+        mbarrier.wait(bar, phase, _semantic=_semantic)
+
+    @builtin
+    def release(self, it, _semantic=None):
+        """A consumer: it has read position it's slot."""
+        mbarrier.arrive(self.empty.index(self.slot(it, _semantic=_semantic), _semantic=_semantic), count=1,
+                        _semantic=_semantic)
+
+    @builtin
+    def wait_empty(self, it, _semantic=None):
+        """The loader: wait until both consumers have released the slot's previous fill, before refilling it."""
+        bar = self.empty.index(self.slot(it, _semantic=_semantic), _semantic=_semantic)
+        phase = _apply(_apply(it, "__floordiv__", self.STAGES, _semantic), "__and__", 1, _semantic)
+        mbarrier.wait(bar, _apply(phase, "__xor__", 1, _semantic), _semantic=_semantic)
+
+
+_RING_SOURCE = gl.constexpr(hashlib.sha256(inspect.getsource(Ring).encode() + inspect.getsource(_apply).encode())
+                            .hexdigest())
+
+
+@gluon.jit
+def pass_over(it_from, it_to, ring):
+    """Ring positions [it_from, it_to) that a consumer does not compute: it waits for each slot's fill (an arrival
+    before it would complete the slot's phase while the other consumer may still read it) and releases it."""
+    for it in range(it_from, it_to):
+        ring.wait_ready(it)
+        ring.release(it)
 
 
 @gluon.jit
@@ -213,12 +302,3 @@ def store_rows(base, tile, row0, n_rows, h, stride_m, stride_h, ROWS: gl.constex
     ptr = base + row0.to(gl.int64) * stride_m + h.to(gl.int64) * stride_h
     offs = gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
     gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_rows, 1))
-
-
-@gluon.jit
-def pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
-    """Ring positions [it_from, it_to) that a consumer does not compute: it waits for each slot's fill (an arrival
-    before it would complete the slot's phase while the other consumer may still read it) and releases it."""
-    for it in range(it_from, it_to):
-        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(it % STAGES), count=1)
