@@ -55,13 +55,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (Ring, barrier_array, info_slots, pass_over, publish_item, read_item, ring_barriers,
-                            store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, pass_over, publish_item, read_item,
+                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, q_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ring, landed, b, hk, n_start, lo,
+def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
                n_tiles, q_row0, k_row0, seqlen_q, it0, kv0, n_landed, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The loads of one work item: both consumers' K and V tiles into buffers kv0 and kv0 + 1, then Q_i and dO_i,
@@ -69,7 +69,7 @@ def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ri
     tensors (varlen; 0 for a dense batch). n_landed counts the tiles landed on `landed` before this item (its phase);
     returns the count after it."""
     for c in gl.static_range(2):
-        bar = kv_bars.index(kv0 + c)
+        bar = held.index(kv0 + c)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, k_s.index(kv0 + c), IS_VARLEN)
         tma_load(v_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, v_s.index(kv0 + c), IS_VARLEN)
@@ -117,21 +117,21 @@ def _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M: gl.constexpr, BLO
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ring, landed, b, hk, n_start, lo,
+def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
             n_tiles, seqlen_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             GROUP: gl.constexpr):
     """A dense program's loader: its one item."""
-    _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ring, landed, b, hk, n_start, lo,
+    _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
                n_tiles, 0, 0, seqlen_q, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, False)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, kv_free, info, ring, landed,
-                   COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr,
-                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                   MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen dK/dV]): it takes the next item from the work
-    counter, describes it to the consumers in info slot r % 2 and loads its K and V into set r % 2 (its r-th item),
+    counter, describes it to the consumers and loads its K and V into its set of buffers (hopper_common.BufferSets),
     once both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the
     list is published invalid, which ends the program."""
     it0 = 0
@@ -146,19 +146,15 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars
         valid = valid & (w < n_items)
         n_start = pid_n * 2 * BLOCK_N
         lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        kset = r % 2
-        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
-        mbarrier.wait(kv_free.index(2 * kset), ((r // 2) & 1) ^ 1)
-        mbarrier.wait(kv_free.index(2 * kset + 1), ((r // 2) & 1) ^ 1)
-        publish_item(info.index(kset), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
+        sets.wait_free(r)
+        publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
         if valid:
-            n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ring, landed, b, hk,
-                                  n_start, lo, n_tiles, q_row0, k_row0, sq, it0, 2 * kset, n_landed, BLOCK_M,
-                                  BLOCK_N, HEAD_DIM, GROUP, True)
+            n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets.held, ring, landed, b,
+                                  hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, sets.buffer(r, 0), n_landed,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, True)
             it0 += GROUP * n_tiles
-        else:  # no K/V to load: a plain arrival completes the consumers' wait
-            mbarrier.arrive(kv_bars.index(2 * kset), count=1)
-            mbarrier.arrive(kv_bars.index(2 * kset + 1), count=1)
+        else:
+            sets.end(r)
             done = True
         r += 1
 
@@ -272,38 +268,38 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ring, b, hk, n_start, lo,
+def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo,
               n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A dense program's consumer c: its one item."""
-    mbarrier.wait(kv_bars.index(c), 0)
+    mbarrier.wait(held.index(c), 0)
     _consume_item(c, c, dk_desc, dv_desc, None, None, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b, hk, n_start, lo,
                   n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
                   0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, False)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars,
-                     kv_free, info, ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
-                     stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
+                     ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in K/V set and info slot r % 2), until one is invalid. Once an item's K and V have landed, it waits for the
-    previous item's dK/dV stores to have read their staging buffers (the other set) and hands that set back."""
+    in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
+    landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
+    hands that set back."""
     it0 = 0
     r = 0
     done = False
     while not done:
-        kset = r % 2
-        mbarrier.wait(kv_bars.index(2 * kset + c), (r // 2) & 1)
-        valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles = read_item(info.index(kset))
+        sets.wait_held(r, c)
+        valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles = read_item(sets.info_slot(r))
         if r > 0:
             tma.store_wait(pendings=0)
-            mbarrier.arrive(kv_free.index(2 * (1 - kset) + c), count=1)
+            sets.release(sets.previous(r, c))
         if valid:
             lse_off = (hk * GROUP).to(gl.int64) * stride_lh + q_row0
-            _consume_item(c, 2 * kset + c, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
+            _consume_item(c, sets.buffer(r, c), dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
                           0, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, sq, sk, wl, wr,
                           qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
                           BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, True)
@@ -354,16 +350,17 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
         v_s = tile_buffers(V, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
         kv_free = barrier_array(4, 1)
         info = info_slots()
-        kv_bars, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        sets = BufferSets(held, kv_free, info)
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, kv_free, info,
+            (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
                                 ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
                                 stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, kv_free, info,
+            (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
                                 ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
                                 stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, kv_free, info, ring, landed, COUNTER, TILES,
+            (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
                               CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
                               BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -377,15 +374,15 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
         lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh
         k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        kv_bars, ready, empty = ring_barriers(STAGES, 2)
+        held, ready, empty = ring_barriers(STAGES, 2)
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ring, b, hk, n_start, lo, n_front, n_mid,
+            (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
                          n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
-            (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ring, b, hk, n_start, lo, n_front, n_mid,
+            (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
                          n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
-            (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, ring, landed, b, hk, n_start, lo, n_tiles, seqlen_q,
+            (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo, n_tiles, seqlen_q,
                        BLOCK_M, BLOCK_N, HEAD_DIM, GROUP)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,7 +1,11 @@
-"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dq.py, hopper_bwd.py) share: the barriers of their
-producer/consumer ring, how they find and address a tile through TMA in a dense or a varlen batch, and the two
-places a varlen batch's packed layout needs more than a TMA box (Note [varlen descriptors] in hopper_fwd.py).
-Gluon only (sm_90).
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dq.py, hopper_bwd.py) share: their producer/consumer ring
+(Ring: every slot index and phase, Note [ring positions]) and a persistent program's two sets of held buffers
+(BufferSets), how they find and address a tile through TMA in a dense or a varlen batch, how a persistent loader
+describes a work item to its consumers, and the two places a varlen batch's packed layout needs more than a TMA
+box (Note [varlen descriptors] in hopper_fwd.py). Gluon only (sm_90).
+
+A change here changes every Hopper kernel's code: tools/sass_diff.py compares the sm_90 SASS of every compile
+against another tree, instruction for instruction, where no GPU can time the change.
 """
 
 import hashlib
@@ -41,9 +45,12 @@ def ring_barriers(STAGES: gl.constexpr, HELD: gl.constexpr):
 
 def _apply(a, op: str, b, _semantic):
     """`a <op> b` as the code generator emits it for a Gluon function's expression: the tensor's operator method,
-    or Python's own on two constexprs (a dense program's positions start at a constant 0)."""
+    (reflected if only b is a tensor), or Python's own on two constexprs (a dense program's positions start at a
+    constant 0)."""
     if isinstance(a, gl.tensor):
         return getattr(a, op)(b, _semantic=_semantic)
+    if isinstance(b, gl.tensor):
+        return getattr(b, op.replace("__", "__r", 1))(a, _semantic=_semantic)
     return gl.constexpr(getattr(gl.constexpr(a).value, op)(gl.constexpr(b).value))
 
 
@@ -110,8 +117,85 @@ class Ring:
         mbarrier.wait(bar, _apply(phase, "__xor__", 1, _semantic), _semantic=_semantic)
 
 
-_RING_SOURCE = gl.constexpr(hashlib.sha256(inspect.getsource(Ring).encode() + inspect.getsource(_apply).encode())
-                            .hexdigest())
+@aggregate
+class BufferSets:
+    """The buffers a persistent program's consumers hold for a whole item (the forward's Q, dQ's Q and dO, dK/dV's
+    K and V), in two sets so that the next item's load under the current one's work: item r (the r-th the loader
+    takes) in set r % 2, consumer c's in buffer 2 * (r % 2) + c, described in info slot r % 2 (publish_item).
+    `held[i]` completes when buffer i's loads have landed (or on the loader's plain arrival: end), `free[i]` when
+    its consumer no longer needs it (its store has read it); set r % 2 is refilled every other item, so both wait
+    for phase (r // 2) & 1 (the loader, on `free`, for the one before: a fresh barrier counts it as complete, and
+    items 0 and 1 wait for nothing). Builtins, as Ring's (Note [ring methods are builtins])."""
+    held: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    info: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, held, free, info):
+        assert _RING_SOURCE  # Note [ring methods are builtins]: the builtins' source, in the cache key
+        self.held = held
+        self.free = free
+        self.info = info
+
+    @builtin
+    def info_slot(self, r, _semantic=None):
+        """Where item r is described."""
+        return self.info.index(_apply(r, "__mod__", 2, _semantic), _semantic=_semantic)
+
+    @builtin
+    def buffer(self, r, c, _semantic=None):
+        """Consumer c's buffer of item r."""
+        first = _apply(2, "__mul__", _apply(r, "__mod__", 2, _semantic), _semantic)
+        return _apply(first, "__add__", c, _semantic)
+
+    @builtin
+    def other(self, i, _semantic=None):
+        """The same consumer's buffer in the other set: the previous item's."""
+        return _apply(i, "__xor__", 2, _semantic)
+
+    @builtin
+    def previous(self, r, c, _semantic=None):
+        """Consumer c's buffer of item r - 1: other(buffer(r, c)) written as dK/dV wrote it, 2 * (1 - r % 2) + c,
+        with which ptxas schedules its varlen kernels as before (through other, 8 instructions more and some 90 to
+        400 moved)."""
+        first = _apply(2, "__mul__", _apply(1, "__sub__", _apply(r, "__mod__", 2, _semantic), _semantic), _semantic)
+        return _apply(first, "__add__", c, _semantic)
+
+    @builtin
+    def wait_free(self, r, _semantic=None):
+        """The loader: wait until both consumers have handed back item r's set (item r - 2's buffers)."""
+        first = _apply(2, "__mul__", _apply(r, "__mod__", 2, _semantic), _semantic)
+        for c in range(2):
+            i = first if c == 0 else _apply(first, "__add__", c, _semantic)
+            bar = self.free.index(i, _semantic=_semantic)
+            phase = _apply(_apply(_apply(r, "__floordiv__", 2, _semantic), "__and__", 1, _semantic), "__xor__", 1,
+                           _semantic)
+            mbarrier.wait(bar, phase, _semantic=_semantic)
+
+    @builtin
+    def end(self, r, _semantic=None):
+        """The loader, at the first item past its list (published invalid): no loads, a plain arrival on both
+        consumers' `held` completes their wait, and they read the item and stop."""
+        first = _apply(2, "__mul__", _apply(r, "__mod__", 2, _semantic), _semantic)
+        for c in range(2):
+            i = first if c == 0 else _apply(first, "__add__", c, _semantic)
+            mbarrier.arrive(self.held.index(i, _semantic=_semantic), count=1, _semantic=_semantic)
+
+    @builtin
+    def wait_held(self, r, c, _semantic=None):
+        """Consumer c: wait for its buffer of item r to land."""
+        bar = self.held.index(self.buffer(r, c, _semantic=_semantic), _semantic=_semantic)
+        phase = _apply(_apply(r, "__floordiv__", 2, _semantic), "__and__", 1, _semantic)
+        mbarrier.wait(bar, phase, _semantic=_semantic)
+
+    @builtin
+    def release(self, i, _semantic=None):
+        """A consumer: buffer i holds nothing its item still needs."""
+        mbarrier.arrive(self.free.index(i, _semantic=_semantic), count=1, _semantic=_semantic)
+
+
+_RING_SOURCE = gl.constexpr(hashlib.sha256("".join(inspect.getsource(x) for x in (_apply, Ring, BufferSets))
+                                           .encode()).hexdigest())
 
 
 @gluon.jit

@@ -55,8 +55,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (Ring, barrier_array, dense_query_tile, info_slots, pass_over, publish_item, read_item,
-                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, pass_over, publish_item,
+                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
+                            zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
@@ -106,14 +107,14 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, la
 
 
 @gluon.jit
-def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, q_free, info, ring, landed, COUNTER,
-                   TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr,
-                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                   MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen dQ]): it takes the next item from the work
-    counter, describes it to the consumers in info slot r % 2 and loads its Q and dO into set r % 2 (its r-th
-    item), once both consumers have handed that set back; the K/V ring runs on from item to item. The first item
-    past the list is published invalid, which ends the program."""
+    counter, describes it to the consumers and loads its Q and dO into its set of buffers (hopper_common.BufferSets),
+    once both consumers have handed that set back; the K/V ring runs on from item to item. The first item past the
+    list is published invalid, which ends the program."""
     it0 = 0
     r = 0
     n_landed = 0
@@ -127,19 +128,15 @@ def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, q
         m_start = tile * 2 * BLOCK_M
         lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
         n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        qset = r % 2
-        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
-        mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
-        mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
-        publish_item(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
+        sets.wait_free(r)
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
         if valid:
-            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, 0, h,
-                                  h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, 2 * qset, n_landed,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, True)
+            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets.held, ring, landed, 0,
+                                  h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, sets.buffer(r, 0),
+                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, True)
             it0 += n_blocks
-        else:  # no Q to load: a plain arrival completes the consumers' wait
-            mbarrier.arrive(held.index(2 * qset), count=1)
-            mbarrier.arrive(held.index(2 * qset + 1), count=1)
+        else:
+            sets.end(r)
             done = True
         r += 1
 
@@ -237,24 +234,24 @@ def _consumer(c: gl.constexpr, dq_desc, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, he
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info,
-                     ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
+def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+                     qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in Q/dO set and info slot r % 2), until one is invalid. Once an item's Q and dO have landed, it waits for the
-    previous item's dQ store to have read its staging buffer (the other set's) and hands that buffer back."""
+    in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
+    landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
+    that buffer back."""
     it0 = 0
     r = 0
     done = False
     while not done:
-        qset = r % 2
-        qi = 2 * qset + c
-        mbarrier.wait(held.index(qi), (r // 2) & 1)
-        valid, h, m_start, q_row0, sq, sk, lo, n_blocks, _, _, _ = read_item(info.index(qset))
+        qi = sets.buffer(r, c)
+        sets.wait_held(r, c)
+        valid, h, m_start, q_row0, sq, sk, lo, n_blocks, _, _, _ = read_item(sets.info_slot(r))
         if r > 0:
             tma.store_wait(pendings=0)
-            mbarrier.arrive(q_free.index(qi ^ 2), count=1)
+            sets.release(sets.other(qi))
         if valid:
             h64 = h.to(gl.int64)
             _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, 0, h, m_start, lo, n_blocks,
@@ -297,15 +294,16 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
         q_free = barrier_array(4, 1)
         info = info_slots()
         held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        sets = BufferSets(held, q_free, info)
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info, ring, wl, wr,
+            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
                                 qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info, ring, wl, wr,
+            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
                                 qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
                                 HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, q_free, info, ring, landed, COUNTER, TILES,
+            (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
                               CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
                               BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

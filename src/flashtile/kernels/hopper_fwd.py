@@ -36,20 +36,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (Ring, barrier_array, dense_query_tile, info_slots, publish_item, read_item, ring_barriers,
-                            store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, publish_item, read_item,
+                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LN2, apply_mask, kv_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, k_ring, v_ring, b, h, hk, m_start, lo, n_blocks,
+def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, k_ring, v_ring, b, h, hk, m_start, lo, n_blocks,
                q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The loads of one work item: its two Q tiles into Q buffers q0 and q0 + 1, then its key blocks into the K/V
     rings (K in k_ring, V in v_ring; for a dense batch one ring holding both) from ring position it0 on.
     q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense batch)."""
     for c in gl.static_range(2):
-        mbarrier.expect(q_bars.index(q0 + c), q_desc.block_type.nbytes)
-        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, q_bars.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
+        mbarrier.expect(held.index(q0 + c), q_desc.block_type.nbytes)
+        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, held.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
         it = it0 + j
         k_ring.wait_empty(it)
@@ -84,20 +84,20 @@ def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, 
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ring, b, h, hk, m_start, lo, n_blocks,
+def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, b, h, hk, m_start, lo, n_blocks,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """A dense program's loader: its one item."""
-    _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ring, ring, b, h, hk, m_start, lo, n_blocks, 0, 0, 0, 0,
+    _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, ring, b, h, hk, m_start, lo, n_blocks, 0, 0, 0, 0,
                BLOCK_M, BLOCK_N, False)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, k_ring, v_ring, COUNTER, TILES,
-                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
+                   CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen forward]): it takes the next item from the
-    work counter, describes it to the consumers in info slot r % 2 and loads its Q into Q set r % 2 (its r-th
-    item), once both consumers have handed that set back; the K/V rings run on from item to item. The first item
+    work counter, describes it to the consumers and loads its Q into its set of Q buffers (hopper_common.BufferSets),
+    once both consumers have handed that set back; the K/V rings run on from item to item. The first item
     past the list is published invalid, which ends the program."""
     it0 = 0
     r = 0
@@ -108,18 +108,14 @@ def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, 
             gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr,
             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
         valid = valid & (w < n_items)
-        qset = r % 2
-        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
-        mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
-        mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
-        publish_item(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
+        sets.wait_free(r)
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
         if valid:
-            _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, k_ring, v_ring, b, h, h // GROUP, m_start, lo,
-                       n_blocks, q_row0, k_row0, it0, 2 * qset, BLOCK_M, BLOCK_N, True)
+            _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets.held, k_ring, v_ring, b, h, h // GROUP, m_start,
+                       lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, True)
             it0 += n_blocks
-        else:  # no Q to load: a plain arrival completes the consumers' wait
-            mbarrier.arrive(q_bars.index(2 * qset), count=1)
-            mbarrier.arrive(q_bars.index(2 * qset + 1), count=1)
+        else:
+            sets.end(r)
             done = True
         r += 1
 
@@ -211,7 +207,7 @@ def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, k_ring, v_ring, b, h, m_start, lo,
+def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, b, h, m_start, lo,
                   full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om,
                   stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
@@ -245,7 +241,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, k_
         s = warpgroup_mma(q_tile, k_s.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         if IS_VARLEN:
-            _free_previous(free_prev, q_free, qi ^ 2)
+            _free_previous(free_prev, sets, sets.other(qi))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if IS_VARLEN:
             k_ring.release(it0)  # K_0 is read (its own ring)
@@ -277,7 +273,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, k_
         # No key block, or no row of this tile in the sequence (the last tile's upper half): nothing to compute,
         # but the other consumer's loads still wait on this one's releases.
         if IS_VARLEN:
-            _free_previous(free_prev, q_free, qi ^ 2)
+            _free_previous(free_prev, sets, sets.other(qi))
         _pass_over(it0, it0 + n_blocks, k_ring, v_ring, IS_VARLEN)
     # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
     empty_row = l_i == 0.0
@@ -310,42 +306,41 @@ def _pass_over(it_from, it_to, k_ring, v_ring, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _free_previous(free_prev, q_free, prev):
-    """Once the previous item's O store has read its Q buffer (the other set's), hand that buffer back."""
+def _free_previous(free_prev, sets, prev):
+    """Once the previous item's O store has read its Q buffer (prev, the other set's), hand that buffer back."""
     if free_prev:
         tma.store_wait(pendings=0)
-        mbarrier.arrive(q_free.index(prev), count=1)
+        sets.release(prev)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ring, b, h, m_start, lo, full_lo, full_hi,
+def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi,
               n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A dense program's consumer c: its one item."""
-    mbarrier.wait(q_bars.index(c), 0)
+    mbarrier.wait(held.index(c), 0)
     _consume_item(c, o_desc, None, LSE, q_s, k_s, v_s, None, ring, ring, b, h, m_start, lo, full_lo, full_hi,
                   n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, 0, 0, 0, c, False, HEAD_DIM, BLOCK_M,
                   BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, k_ring, v_ring, wl,
-                     wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, qk_scale,
+                     stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in Q set and info slot r % 2), until one is invalid."""
+    in its set of Q buffers: hopper_common.BufferSets), until one is invalid."""
     it0 = 0
     r = 0
     done = False
     while not done:
-        qset = r % 2
-        mbarrier.wait(q_bars.index(2 * qset + c), (r // 2) & 1)
-        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(info.index(qset))
+        sets.wait_held(r, c)
+        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(sets.info_slot(r))
         if valid:
             lse_off = h.to(gl.int64) * stride_lh + q_row0
-            _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, k_ring, v_ring, 0, h, m_start, lo, full_lo,
+            _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, 0, h, m_start, lo, full_lo,
                           full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, qk_scale, stride_om, stride_oh, it0,
-                          2 * qset + c, r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
+                          sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
             it0 += n_blocks
         else:
             done = True
@@ -428,17 +423,18 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
         q_free = barrier_array(4, 1)
         info = info_slots()
-        q_bars, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
+        held, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
+        sets = BufferSets(held, q_free, info)
         k_ring = Ring(ready, empty, KS)
         v_ring = Ring(v_ready, v_empty, VS)
         gl.warp_specialize([
-            (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, k_ring, v_ring, wl, wr,
+            (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
                                 qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                 MASK_RIGHT)),
-            (_varlen_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, k_ring, v_ring, wl, wr,
+            (_varlen_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
                                 qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                 MASK_RIGHT)),
-            (_varlen_loader, (Q, K, V, q_s, k_s, v_s, q_bars, q_free, info, k_ring, v_ring, COUNTER, TILES,
+            (_varlen_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES,
                               CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
                               BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -446,15 +442,15 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
         q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        q_bars, ready, empty = ring_barriers(STAGES, 2)
+        held, ready, empty = ring_barriers(STAGES, 2)
         ring = Ring(ready, empty, STAGES)  # K_j and V_j in one slot
         gl.warp_specialize([
-            (_consumer, (0, O, LSE, q_s, k_s, v_s, q_bars, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
+            (_consumer, (0, O, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
                          lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
                          MASK_RIGHT)),
-            (_consumer, (1, O, LSE, q_s, k_s, v_s, q_bars, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
+            (_consumer, (1, O, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
                          lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
                          MASK_RIGHT)),
-            (_loader, (Q, K, V, q_s, k_s, v_s, q_bars, ring, b, h, h // GROUP, m_start, lo, n_blocks, BLOCK_M,
+            (_loader, (Q, K, V, q_s, k_s, v_s, held, ring, b, h, h // GROUP, m_start, lo, n_blocks, BLOCK_M,
                        BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
