@@ -120,8 +120,8 @@ class Ring:
 @aggregate
 class BufferSets:
     """The buffers a persistent program's consumers hold for a whole item (the forward's Q, dQ's Q and dO, dK/dV's
-    K and V), in two sets so that the next item's load under the current one's work: item r (the r-th the loader
-    takes) in set r % 2, consumer c's in buffer 2 * (r % 2) + c, described in info slot r % 2 (publish_item).
+    K and V), in two sets so that the next item's loads run under the current one's work: item r (the r-th the
+    loader takes) in set r % 2, consumer c's in buffer 2 * (r % 2) + c, described in info slot r % 2 (publish_item).
     `held[i]` completes when buffer i's loads have landed (or on the loader's plain arrival: end), `free[i]` when
     its consumer no longer needs it (its store has read it); set r % 2 is refilled every other item, so both wait
     for phase (r // 2) & 1 (the loader, on `free`, for the one before: a fresh barrier counts it as complete, and
