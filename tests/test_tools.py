@@ -31,3 +31,50 @@ def test_readme_lists_every_tool():
     for name in os.listdir(TOOLS):
         if name.endswith((".py", ".sh")):
             assert name in readme, f"README.md does not list tools/{name}"
+
+
+def _sass_diff():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sass_diff", os.path.join(TOOLS, "sass_diff.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SASS = """
+	code for sm_90a
+		Function : _k
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                    /* 0x00000a00ff017b82 */
+                                                                             /* 0x000e640000000800 */
+        /*0010*/              @!P0 BRA 0x30 ;                                /* 0x0000000000108947 */
+                                                                             /* 0x000fe20000000000 */
+        /*0020*/                   IADD3 R2, R1, 0x10, RZ ;                  /* 0x0000001001027810 */
+                                                                             /* 0x000fe20007ffe0ff */
+        /*0030*/                   EXIT ;                                    /* 0x000000000000794d */
+                                                                             /* 0x000fea0003800000 */
+"""
+
+
+def test_sass_diff_counts_instructions_not_addresses():
+    """tools/sass_diff.py keeps each instruction's text and drops addresses and encodings; one inserted
+    instruction counts once, not once more per branch whose target it moves."""
+    sass_diff = _sass_diff()
+    base = sass_diff.normalise(SASS)
+    assert base == ["Function : _k", "LDC R1, c[0x0][0x28]", "@!P0 BRA 0x30", "IADD3 R2, R1, 0x10, RZ", "EXIT"]
+    moved = base[:2] + ["NOP", "@!P0 BRA 0x40"] + base[3:]
+    assert sass_diff.count_differences(base, base) == 0
+    assert sass_diff.count_differences(base, moved) == 1
+    swapped = base[:3] + ["IADD3 R3, R1, 0x10, RZ"] + base[4:]  # a register renamed is a difference
+    assert sass_diff.count_differences(base, swapped) == 1
+
+
+def test_sass_diff_finds_a_tree_identical_to_itself():
+    """The whole tool on one Gluon compile (the d128 dense forward), this tree against itself."""
+    root = os.path.join(TOOLS, "..")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    only = "_hopper_fwd_kernel BLOCK_M=64 BLOCK_N=128 CONSUMER_REGS=240 GROUP=1 HEAD_DIM=128 IS_VARLEN=False"
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "sass_diff.py"), root, root, "--only", only], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows and all('"identical": true' in row for row in rows), proc.stdout

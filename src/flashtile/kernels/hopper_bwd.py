@@ -55,22 +55,21 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, info_slots, pass_over, publish_item, read_item, ring_barriers, store_rows,
-                            tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, pass_over, publish_item, read_item,
+                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, q_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
-               lo, n_tiles, q_row0, k_row0, seqlen_q, it0, kv0, n_landed, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-               IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
+               n_tiles, q_row0, k_row0, seqlen_q, it0, kv0, n_landed, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The loads of one work item: both consumers' K and V tiles into buffers kv0 and kv0 + 1, then Q_i and dO_i,
     head by head, into the ring from position it0. q_row0 and k_row0: where the sequence's rows start in the packed
     tensors (varlen; 0 for a dense batch). n_landed counts the tiles landed on `landed` before this item (its phase);
     returns the count after it."""
     for c in gl.static_range(2):
-        bar = kv_bars.index(kv0 + c)
+        bar = held.index(kv0 + c)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, k_s.index(kv0 + c), IS_VARLEN)
         tma_load(v_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, v_s.index(kv0 + c), IS_VARLEN)
@@ -78,8 +77,8 @@ def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, re
         h = hk * GROUP + g
         for t in range(n_tiles):
             it = it0 + g * n_tiles + t
-            slot = it % STAGES
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
+            ring.wait_empty(it)
+            slot = ring.slot(it)
             m_start = lo + t * BLOCK_M
             if IS_VARLEN and m_start + BLOCK_M > seqlen_q:
                 # The tile the sequence ends in (at most one per head, the last): it lands on `landed`, this warp
@@ -92,9 +91,9 @@ def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, re
                 zero_rows_from(q_s.index(slot).reshape([BLOCK_M, HEAD_DIM]), seqlen_q - m_start, BLOCK_M, HEAD_DIM, 1)
                 zero_rows_from(do_s.index(slot).reshape([BLOCK_M, HEAD_DIM]), seqlen_q - m_start, BLOCK_M, HEAD_DIM,
                                1)
-                mbarrier.arrive(ready.index(slot), count=1)
+                mbarrier.arrive(ring.ready_bar(it), count=1)
             else:
-                bar = ready.index(slot)
+                bar = ring.ready_bar(it)
                 mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma_load(q_desc, b, q_row0 + m_start, h, bar, q_s.index(slot), IS_VARLEN)
                 tma_load(do_desc, b, q_row0 + m_start, h, bar, do_s.index(slot), IS_VARLEN)
@@ -118,21 +117,21 @@ def _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M: gl.constexpr, BLO
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
-            lo, n_tiles, seqlen_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            STAGES: gl.constexpr, GROUP: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
+            n_tiles, seqlen_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            GROUP: gl.constexpr):
     """A dense program's loader: its one item."""
-    _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start,
-               lo, n_tiles, 0, 0, seqlen_q, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, False)
+    _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
+               n_tiles, 0, 0, seqlen_q, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, False)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, kv_free, info, ready, empty,
-                   landed, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                   MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen dK/dV]): it takes the next item from the work
-    counter, describes it to the consumers in info slot r % 2 and loads its K and V into set r % 2 (its r-th item),
+    counter, describes it to the consumers and loads its K and V into its set of buffers (hopper_common.BufferSets),
     once both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the
     list is published invalid, which ends the program."""
     it0 = 0
@@ -147,32 +146,28 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars
         valid = valid & (w < n_items)
         n_start = pid_n * 2 * BLOCK_N
         lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        kset = r % 2
-        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
-        mbarrier.wait(kv_free.index(2 * kset), ((r // 2) & 1) ^ 1)
-        mbarrier.wait(kv_free.index(2 * kset + 1), ((r // 2) & 1) ^ 1)
-        publish_item(info.index(kset), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
+        sets.wait_free(r)
+        publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
         if valid:
-            n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, kv_bars, ready, empty,
-                                  landed, b, hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, 2 * kset, n_landed,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP, True)
+            n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets.held, ring, landed, b,
+                                  hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, sets.buffer(r, 0), n_landed,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, True)
             it0 += GROUP * n_tiles
-        else:  # no K/V to load: a plain arrival completes the consumers' wait
-            mbarrier.arrive(kv_bars.index(2 * kset), count=1)
-            mbarrier.arrive(kv_bars.index(2 * kset + 1), count=1)
+        else:
+            sets.end(r)
             done = True
         r += 1
 
 
 @gluon.jit
-def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr, kl, offs_m, st_zero,
-          seqlen_q, qk_scale, edge, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-          STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q,
+          qk_scale, edge, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv). `edge`: the
     tile is at a masked end of the consumer's range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
-    slot = it % STAGES
-    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    slot = ring.slot(it)
+    ring.wait_ready(it)
     q_t = q_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_t = do_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
     st = warpgroup_mma(k_c, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
@@ -205,16 +200,16 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h
     dst = pt * (dpt - gl.expand_dims(delta, 0))
     dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_t, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-    mbarrier.arrive(empty.index(slot), count=1)  # this consumer has read Q_i and dO_i
+    ring.release(it)  # this consumer has read Q_i and dO_i
     return dk, dv
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ready,
-                  empty, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k,
-                  wl, wr, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b,
+                  hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
+                  qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
     ring position it0. A varlen (persistent) consumer leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -246,15 +241,15 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
     mid = gl.minimum(gl.maximum(n_mid, front), own1)
     for g in range(GROUP):
         base = it0 + g * n_tiles
-        pass_over(base, base + own0, ready, empty, STAGES)
+        pass_over(base, base + own0, ring)
         # One loop over the consumer's tiles; a tile at either masked end, [own0, front) or [mid, own1), applies
         # the mask under a branch (Note [one loop per consumer]).
         for t in range(own0, own1):
             edge = (t < front) | (t >= mid)
-            dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ready, empty, lse_h, delta_h, kr,
-                           kl, offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout, HEAD_DIM, BLOCK_M, STAGES,
-                           MASK_LEFT, MASK_RIGHT)
-        pass_over(base + own1, base + n_tiles, ready, empty, STAGES)
+            dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl,
+                           offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout, HEAD_DIM, BLOCK_M, MASK_LEFT,
+                           MASK_RIGHT)
+        pass_over(base + own1, base + n_tiles, ring)
         lse_h += stride_lh
         delta_h += stride_lh
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence
@@ -273,42 +268,41 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk,
-              n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-              softmax_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo,
+              n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A dense program's consumer c: its one item."""
-    mbarrier.wait(kv_bars.index(c), 0)
-    _consume_item(c, c, dk_desc, dv_desc, None, None, LSE, DELTA, k_s, v_s, q_s, do_s, ready, empty, b, hk, n_start,
-                  lo, n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                  softmax_scale, 0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT,
-                  False)
+    mbarrier.wait(held.index(c), 0)
+    _consume_item(c, c, dk_desc, dv_desc, None, None, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b, hk, n_start, lo,
+                  n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+                  0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, False)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars,
-                     kv_free, info, ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
-                     stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
+                     ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in K/V set and info slot r % 2), until one is invalid. Once an item's K and V have landed, it waits for the
-    previous item's dK/dV stores to have read their staging buffers (the other set) and hands that set back."""
+    in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
+    landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
+    hands that set back."""
     it0 = 0
     r = 0
     done = False
     while not done:
-        kset = r % 2
-        mbarrier.wait(kv_bars.index(2 * kset + c), (r // 2) & 1)
-        valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles = read_item(info.index(kset))
+        sets.wait_held(r, c)
+        valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles = read_item(sets.info_slot(r))
         if r > 0:
             tma.store_wait(pendings=0)
-            mbarrier.arrive(kv_free.index(2 * (1 - kset) + c), count=1)
+            sets.release(sets.previous(r, c))
         if valid:
             lse_off = (hk * GROUP).to(gl.int64) * stride_lh + q_row0
-            _consume_item(c, 2 * kset + c, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ready,
-                          empty, 0, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, sq, sk, wl,
-                          wr, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
-                          BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT, True)
+            _consume_item(c, sets.buffer(r, c), dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
+                          0, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, sq, sk, wl, wr,
+                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, True)
             it0 += GROUP * n_tiles
         else:
             done = True
@@ -356,19 +350,19 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
         v_s = tile_buffers(V, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
         kv_free = barrier_array(4, 1)
         info = info_slots()
-        kv_bars, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        sets = BufferSets(held, kv_free, info)
+        ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, kv_free, info,
-                                ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
-                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT,
-                                MASK_RIGHT)),
-            (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, kv_free, info,
-                                ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
-                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT,
-                                MASK_RIGHT)),
-            (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, kv_free, info, ready, empty, landed, COUNTER,
-                              TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
+                                ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                                stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
+                                ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                                stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
+                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
@@ -380,14 +374,15 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
         lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh
         k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        kv_bars, ready, empty = ring_barriers(STAGES, 2)
+        held, ready, empty = ring_barriers(STAGES, 2)
+        ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
-                         n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                         softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
-            (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, kv_bars, ready, empty, b, hk, n_start, lo,
-                         n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                         softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
-            (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, kv_bars, ready, empty, landed, b, hk, n_start, lo, n_tiles,
-                       seqlen_q, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, GROUP)),
+            (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
+                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
+                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo, n_tiles, seqlen_q,
+                       BLOCK_M, BLOCK_N, HEAD_DIM, GROUP)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

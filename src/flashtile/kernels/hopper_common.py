@@ -1,11 +1,20 @@
-"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dq.py, hopper_bwd.py) share: the barriers of their
-producer/consumer ring, how they find and address a tile through TMA in a dense or a varlen batch, and the two
-places a varlen batch's packed layout needs more than a TMA box (Note [varlen descriptors] in hopper_fwd.py).
-Gluon only (sm_90).
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dq.py, hopper_bwd.py) share: their producer/consumer ring
+(Ring: every slot index and phase, Note [ring positions]) and a persistent program's two sets of held buffers
+(BufferSets), how they find and address a tile through TMA in a dense or a varlen batch, how a persistent loader
+describes a work item to its consumers, and the two places a varlen batch's packed layout needs more than a TMA
+box (Note [varlen descriptors] in hopper_fwd.py). Gluon only (sm_90).
+
+A change here changes every Hopper kernel's code: tools/sass_diff.py compares the sm_90 SASS of every compile
+against another tree, instruction for instruction, where no GPU can time the change.
 """
+
+import hashlib
+import inspect
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+from triton.language.core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .masking import kv_block_range
@@ -32,6 +41,170 @@ def ring_barriers(STAGES: gl.constexpr, HELD: gl.constexpr):
     empty = barrier_array(STAGES, 2)  # one arrival from each consumer
     fence_async_shared()  # the initialised barriers, before the TMA unit and the other partitions use them
     return held, ready, empty
+
+
+def _apply(a, op: str, b, _semantic):
+    """`a <op> b` as the code generator emits it for a Gluon function's expression: the tensor's operator method,
+    (reflected if only b is a tensor), or Python's own on two constexprs (a dense program's positions start at a
+    constant 0)."""
+    if isinstance(a, gl.tensor):
+        return getattr(a, op)(b, _semantic=_semantic)
+    if isinstance(b, gl.tensor):
+        return getattr(b, op.replace("__", "__r", 1))(a, _semantic=_semantic)
+    return gl.constexpr(getattr(gl.constexpr(a).value, op)(gl.constexpr(b).value))
+
+
+@aggregate
+class Ring:
+    """A ring of STAGES slots that the loader fills and both consumers read (Note [ring positions]): `ready[s]`
+    completes a phase when a fill of slot s has landed, `empty[s]` when both consumers have released it. Every
+    index and phase of a ring is computed here, from the position alone. The methods are builtins, not Gluon
+    functions (Note [ring methods are builtins]).
+
+    Note [ring positions]: the loader and each consumer count a ring's fills from the program's first, on from one
+    item to the next (a persistent program's item starts where the last one ended: `it0`), and so agree on every
+    position without talking. Position it is slot it % STAGES's (it // STAGES)-th fill: the phase of `ready` it
+    completes, and of `empty` its release completes, is (it // STAGES) & 1. The loader waits for the release of
+    the slot's previous fill, the phase before, ((it // STAGES) & 1) ^ 1, which a fresh barrier counts as
+    complete, so the first STAGES fills wait for nothing. A consumer releases every position, the ones it does not
+    compute included (pass_over): the `empty` barriers count two arrivals a phase, one from each consumer.
+
+    Note [ring methods are builtins]: a Gluon function call is inlined, but it leaves an inlined scope in the
+    debug line info, whose bounds become labels in the PTX, and ptxas schedules differently around them: with the
+    ring's methods as Gluon functions the sm_90 SASS of 2 of the 7 dQ kernels changed (22 and 30 instructions
+    moved; the PTX without its labels was the same). As builtins they emit their operations at the caller's line
+    and leave the SASS instruction for instruction as the hand-written arithmetic (tools/sass_diff.py). Triton
+    leaves builtins out of its cache key, so their source enters it through __init__ (_RING_SOURCE)."""
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ready, empty, STAGES):
+        assert _RING_SOURCE  # Note [ring methods are builtins]: the builtins' source, in the cache key
+        self.ready = ready
+        self.empty = empty
+        self.STAGES = gl.constexpr(STAGES)
+
+    @builtin
+    def slot(self, it, _semantic=None):
+        """Position it's slot: the index of its buffers (and barriers)."""
+        return _apply(it, "__mod__", self.STAGES, _semantic)
+
+    @builtin
+    def ready_bar(self, it, _semantic=None):
+        """The barrier a fill of position it lands on (its TMA loads' `expect`)."""
+        return self.ready.index(self.slot(it, _semantic=_semantic), _semantic=_semantic)
+
+    @builtin
+    def wait_ready(self, it, _semantic=None):
+        """A consumer: wait for position it's fill to land."""
+        bar = self.ready_bar(it, _semantic=_semantic)
+        phase = _apply(_apply(it, "__floordiv__", self.STAGES, _semantic), "__and__", 1, _semantic)
+        mbarrier.wait(bar, phase, _semantic=_semantic)
+
+    @builtin
+    def release(self, it, _semantic=None):
+        """A consumer: it has read position it's slot."""
+        mbarrier.arrive(self.empty.index(self.slot(it, _semantic=_semantic), _semantic=_semantic), count=1,
+                        _semantic=_semantic)
+
+    @builtin
+    def wait_empty(self, it, _semantic=None):
+        """The loader: wait until both consumers have released the slot's previous fill, before refilling it."""
+        bar = self.empty.index(self.slot(it, _semantic=_semantic), _semantic=_semantic)
+        phase = _apply(_apply(it, "__floordiv__", self.STAGES, _semantic), "__and__", 1, _semantic)
+        mbarrier.wait(bar, _apply(phase, "__xor__", 1, _semantic), _semantic=_semantic)
+
+
+@aggregate
+class BufferSets:
+    """The buffers a persistent program's consumers hold for a whole item (the forward's Q, dQ's Q and dO, dK/dV's
+    K and V), in two sets so that the next item's loads run under the current one's work: item r (the r-th the
+    loader takes) in set r % 2, consumer c's in buffer 2 * (r % 2) + c, described in info slot r % 2 (publish_item).
+    `held[i]` completes when buffer i's loads have landed (or on the loader's plain arrival: end), `free[i]` when
+    its consumer no longer needs it (its store has read it); set r % 2 is refilled every other item, so both wait
+    for phase (r // 2) & 1 (the loader, on `free`, for the one before: a fresh barrier counts it as complete, and
+    items 0 and 1 wait for nothing). Builtins, as Ring's (Note [ring methods are builtins])."""
+    held: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    info: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, held, free, info):
+        assert _RING_SOURCE  # Note [ring methods are builtins]: the builtins' source, in the cache key
+        self.held = held
+        self.free = free
+        self.info = info
+
+    @builtin
+    def info_slot(self, r, _semantic=None):
+        """Where item r is described."""
+        return self.info.index(_apply(r, "__mod__", 2, _semantic), _semantic=_semantic)
+
+    @builtin
+    def buffer(self, r, c, _semantic=None):
+        """Consumer c's buffer of item r."""
+        first = _apply(2, "__mul__", _apply(r, "__mod__", 2, _semantic), _semantic)
+        return _apply(first, "__add__", c, _semantic)
+
+    @builtin
+    def other(self, i, _semantic=None):
+        """The same consumer's buffer in the other set: the previous item's."""
+        return _apply(i, "__xor__", 2, _semantic)
+
+    @builtin
+    def previous(self, r, c, _semantic=None):
+        """Consumer c's buffer of item r - 1: other(buffer(r, c)) written as dK/dV wrote it, 2 * (1 - r % 2) + c,
+        with which ptxas schedules its varlen kernels as before (through other, 8 instructions more and some 90 to
+        400 moved)."""
+        first = _apply(2, "__mul__", _apply(1, "__sub__", _apply(r, "__mod__", 2, _semantic), _semantic), _semantic)
+        return _apply(first, "__add__", c, _semantic)
+
+    @builtin
+    def wait_free(self, r, _semantic=None):
+        """The loader: wait until both consumers have handed back item r's set (item r - 2's buffers)."""
+        first = _apply(2, "__mul__", _apply(r, "__mod__", 2, _semantic), _semantic)
+        for c in range(2):
+            i = first if c == 0 else _apply(first, "__add__", c, _semantic)
+            bar = self.free.index(i, _semantic=_semantic)
+            phase = _apply(_apply(_apply(r, "__floordiv__", 2, _semantic), "__and__", 1, _semantic), "__xor__", 1,
+                           _semantic)
+            mbarrier.wait(bar, phase, _semantic=_semantic)
+
+    @builtin
+    def end(self, r, _semantic=None):
+        """The loader, at the first item past its list (published invalid): no loads, a plain arrival on both
+        consumers' `held` completes their wait, and they read the item and stop."""
+        first = _apply(2, "__mul__", _apply(r, "__mod__", 2, _semantic), _semantic)
+        for c in range(2):
+            i = first if c == 0 else _apply(first, "__add__", c, _semantic)
+            mbarrier.arrive(self.held.index(i, _semantic=_semantic), count=1, _semantic=_semantic)
+
+    @builtin
+    def wait_held(self, r, c, _semantic=None):
+        """Consumer c: wait for its buffer of item r to land."""
+        bar = self.held.index(self.buffer(r, c, _semantic=_semantic), _semantic=_semantic)
+        phase = _apply(_apply(r, "__floordiv__", 2, _semantic), "__and__", 1, _semantic)
+        mbarrier.wait(bar, phase, _semantic=_semantic)
+
+    @builtin
+    def release(self, i, _semantic=None):
+        """A consumer: buffer i holds nothing its item still needs."""
+        mbarrier.arrive(self.free.index(i, _semantic=_semantic), count=1, _semantic=_semantic)
+
+
+_RING_SOURCE = gl.constexpr(hashlib.sha256("".join(inspect.getsource(x) for x in (_apply, Ring, BufferSets))
+                                           .encode()).hexdigest())
+
+
+@gluon.jit
+def pass_over(it_from, it_to, ring):
+    """Ring positions [it_from, it_to) that a consumer does not compute: it waits for each slot's fill (an arrival
+    before it would complete the slot's phase while the other consumer may still read it) and releases it."""
+    for it in range(it_from, it_to):
+        ring.wait_ready(it)
+        ring.release(it)
 
 
 @gluon.jit
@@ -213,12 +386,3 @@ def store_rows(base, tile, row0, n_rows, h, stride_m, stride_h, ROWS: gl.constex
     ptr = base + row0.to(gl.int64) * stride_m + h.to(gl.int64) * stride_h
     offs = gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
     gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_rows, 1))
-
-
-@gluon.jit
-def pass_over(it_from, it_to, ready, empty, STAGES: gl.constexpr):
-    """Ring positions [it_from, it_to) that a consumer does not compute: it waits for each slot's fill (an arrival
-    before it would complete the slot's phase while the other consumer may still read it) and releases it."""
-    for it in range(it_from, it_to):
-        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(it % STAGES), count=1)

@@ -55,15 +55,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, dense_query_tile, info_slots, pass_over, publish_item, read_item,
-                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, pass_over, publish_item,
+                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
+                            zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, hk, m_start,
-               lo, n_blocks, q_row0, k_row0, seqlen_k, it0, q0, n_landed, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, b, h, hk, m_start, lo,
+               n_blocks, q_row0, k_row0, seqlen_k, it0, q0, n_landed, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The loads of one work item: both consumers' Q and dO tiles into buffers q0 and q0 + 1, then its key blocks
     into the K/V ring from position it0. q_row0 and k_row0: where the sequence's rows start in the packed tensors
     (varlen; 0 for a dense batch). n_landed counts the blocks landed on `landed` before this item (its phase);
@@ -75,8 +76,8 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready
         tma_load(do_desc, b, q_row0 + m_start + c * BLOCK_M, h, bar, do_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
         it = it0 + j
-        slot = it % STAGES
-        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # passes at once on a fresh barrier
+        ring.wait_empty(it)
+        slot = ring.slot(it)
         n0 = lo + j * BLOCK_N
         if IS_VARLEN and n0 + BLOCK_N > seqlen_k:
             # The block the sequence ends in (the item's last): it lands on `landed`, this warp zeroes the next
@@ -88,9 +89,9 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready
             n_landed += 1
             zero_rows_from(k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - n0, BLOCK_N, HEAD_DIM, 1)
             zero_rows_from(v_s.index(slot).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - n0, BLOCK_N, HEAD_DIM, 1)
-            mbarrier.arrive(ready.index(slot), count=1)
+            mbarrier.arrive(ring.ready_bar(it), count=1)
         else:
-            bar = ready.index(slot)
+            bar = ring.ready_bar(it)
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma_load(k_desc, b, k_row0 + n0, hk, bar, k_s.index(slot), IS_VARLEN)
             tma_load(v_desc, b, k_row0 + n0, hk, bar, v_s.index(slot), IS_VARLEN)
@@ -98,22 +99,22 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, hk, m_start, lo,
-            n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, b, h, hk, m_start, lo,
+            n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """A dense program's loader: its one item."""
-    _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, hk, m_start,
-               lo, n_blocks, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False)
+    _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, b, h, hk, m_start, lo,
+               n_blocks, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, False)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, q_free, info, ready, empty, landed,
-                   COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                   MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen dQ]): it takes the next item from the work
-    counter, describes it to the consumers in info slot r % 2 and loads its Q and dO into set r % 2 (its r-th
-    item), once both consumers have handed that set back; the K/V ring runs on from item to item. The first item
-    past the list is published invalid, which ends the program."""
+    counter, describes it to the consumers and loads its Q and dO into its set of buffers (hopper_common.BufferSets),
+    once both consumers have handed that set back; the K/V ring runs on from item to item. The first item past the
+    list is published invalid, which ends the program."""
     it0 = 0
     r = 0
     n_landed = 0
@@ -127,19 +128,15 @@ def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, q
         m_start = tile * 2 * BLOCK_M
         lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
         n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        qset = r % 2
-        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
-        mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
-        mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
-        publish_item(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
+        sets.wait_free(r)
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
         if valid:
-            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ready, empty, landed,
-                                  0, h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, 2 * qset,
-                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True)
+            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets.held, ring, landed, 0,
+                                  h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, sets.buffer(r, 0),
+                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, True)
             it0 += n_blocks
-        else:  # no Q to load: a plain arrival completes the consumers' wait
-            mbarrier.arrive(held.index(2 * qset), count=1)
-            mbarrier.arrive(held.index(2 * qset + 1), count=1)
+        else:
+            sets.end(r)
             done = True
         r += 1
 
@@ -159,11 +156,10 @@ def _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BL
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ready, empty, b, h,
-                  m_start, lo, n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                  softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                  IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, h, m_start, lo,
+                  n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+                  stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
     ring position it0. A varlen (persistent) consumer leaves its dQ store in flight."""
     dtype: gl.constexpr = q_s.dtype
@@ -190,12 +186,12 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
     lse2 = gl.load(LSE + lse_off + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    pass_over(it0, it0 + j0, ready, empty, STAGES)
+    pass_over(it0, it0 + j0, ring)
     for j in range(j0, j1):
         it = it0 + j
-        slot = it % STAGES
+        slot = ring.slot(it)
         n0 = lo + j * BLOCK_N
-        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        ring.wait_ready(it)
         k_t = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
         v_t = v_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -212,8 +208,8 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # Note [dQ update in its block]
-        mbarrier.arrive(empty.index(slot), count=1)  # this consumer has read K_j and V_j
-    pass_over(it0 + j1, it0 + n_blocks, ready, empty, STAGES)
+        ring.release(it)  # this consumer has read K_j and V_j
+    pass_over(it0 + j1, it0 + n_blocks, ring)
     if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
         q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the store
         fence_async_shared()
@@ -226,42 +222,42 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dq_desc, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
+def _consumer(c: gl.constexpr, dq_desc, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo,
               n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr):
     """A dense program's consumer c: its one item."""
     mbarrier.wait(held.index(c), 0)
-    _consume_item(c, dq_desc, None, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ready, empty, b, h, m_start, lo, n_blocks,
-                  o_off, stride_om, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, 0, 0, 0, c,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, False)
+    _consume_item(c, dq_desc, None, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, h, m_start, lo, n_blocks, o_off,
+                  stride_om, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, 0, 0, 0, c, HEAD_DIM,
+                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info,
-                     ready, empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm,
-                     stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+                     qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in Q/dO set and info slot r % 2), until one is invalid. Once an item's Q and dO have landed, it waits for the
-    previous item's dQ store to have read its staging buffer (the other set's) and hands that buffer back."""
+    in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
+    landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
+    that buffer back."""
     it0 = 0
     r = 0
     done = False
     while not done:
-        qset = r % 2
-        qi = 2 * qset + c
-        mbarrier.wait(held.index(qi), (r // 2) & 1)
-        valid, h, m_start, q_row0, sq, sk, lo, n_blocks, _, _, _ = read_item(info.index(qset))
+        qi = sets.buffer(r, c)
+        sets.wait_held(r, c)
+        valid, h, m_start, q_row0, sq, sk, lo, n_blocks, _, _, _ = read_item(sets.info_slot(r))
         if r > 0:
             tma.store_wait(pendings=0)
-            mbarrier.arrive(q_free.index(qi ^ 2), count=1)
+            sets.release(sets.other(qi))
         if valid:
             h64 = h.to(gl.int64)
-            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ready, empty, 0, h, m_start, lo,
-                          n_blocks, q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om,
-                          h64 * stride_lh + q_row0, q_row0, sq, sk, wl, wr, qk_scale, softmax_scale, stride_dqm,
-                          stride_dqh, it0, qi, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, True)
+            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, 0, h, m_start, lo, n_blocks,
+                          q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om, h64 * stride_lh + q_row0,
+                          q_row0, sq, sk, wl, wr, qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM,
+                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
             it0 += n_blocks
         else:
             done = True
@@ -298,16 +294,18 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
         q_free = barrier_array(4, 1)
         info = info_slots()
         held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+        sets = BufferSets(held, q_free, info)
+        ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info, ready,
-                                empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm,
-                                stride_dqh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, q_free, info, ready,
-                                empty, wl, wr, qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm,
-                                stride_dqh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, q_free, info, ready, empty, landed, COUNTER,
-                              TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, STAGES, GROUP, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+                                qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+                                qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+            (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
+                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb,
@@ -317,13 +315,14 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
         q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
         do_s = tile_buffers(DO, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
         held, ready, empty = ring_barriers(STAGES, 2)
+        ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_consumer, (0, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
-                         n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
-            (_consumer, (1, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ready, empty, b, h, m_start, lo,
-                         n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT)),
-            (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, ready, empty, landed, b, h, h // GROUP, m_start, lo,
-                       n_blocks, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer, (0, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo, n_blocks, o_off,
+                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM, BLOCK_M,
+                         BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+            (_consumer, (1, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo, n_blocks, o_off,
+                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM, BLOCK_M,
+                         BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+            (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, ring, landed, b, h, h // GROUP, m_start, lo, n_blocks,
+                       BLOCK_M, BLOCK_N, HEAD_DIM)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -36,35 +36,34 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (barrier_array, dense_query_tile, info_slots, publish_item, read_item, ring_barriers,
-                            store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, publish_item, read_item,
+                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LN2, apply_mask, kv_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, v_ready, v_empty, b, h, hk, m_start,
-               lo, n_blocks, q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               KS: gl.constexpr, VS: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, k_ring, v_ring, b, h, hk, m_start, lo, n_blocks,
+               q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The loads of one work item: its two Q tiles into Q buffers q0 and q0 + 1, then its key blocks into the K/V
-    ring (K in KS slots, V in VS; one ring of KS slots holding both for a dense batch) from ring position it0 on.
+    rings (K in k_ring, V in v_ring; for a dense batch one ring holding both) from ring position it0 on.
     q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense batch)."""
     for c in gl.static_range(2):
-        mbarrier.expect(q_bars.index(q0 + c), q_desc.block_type.nbytes)
-        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, q_bars.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
+        mbarrier.expect(held.index(q0 + c), q_desc.block_type.nbytes)
+        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, held.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
         it = it0 + j
-        slot = it % KS
-        mbarrier.wait(empty.index(slot), ((it // KS) & 1) ^ 1)
+        k_ring.wait_empty(it)
+        slot = k_ring.slot(it)
         row = k_row0 + lo + j * BLOCK_N
         if IS_VARLEN:  # K and V in rings of their own (Note [persistent varlen forward])
-            mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, b, row, hk, ready.index(slot), k_s.index(slot), IS_VARLEN)
-            vslot = it % VS
-            mbarrier.wait(v_empty.index(vslot), ((it // VS) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(vslot), v_desc.block_type.nbytes)
-            tma_load(v_desc, b, row, hk, v_ready.index(vslot), v_s.index(vslot), IS_VARLEN)
+            mbarrier.expect(k_ring.ready_bar(it), k_desc.block_type.nbytes)
+            tma_load(k_desc, b, row, hk, k_ring.ready_bar(it), k_s.index(slot), IS_VARLEN)
+            v_ring.wait_empty(it)
+            vslot = v_ring.slot(it)
+            mbarrier.expect(v_ring.ready_bar(it), v_desc.block_type.nbytes)
+            tma_load(v_desc, b, row, hk, v_ring.ready_bar(it), v_s.index(vslot), IS_VARLEN)
         else:
-            bar = ready.index(slot)
+            bar = k_ring.ready_bar(it)
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma_load(k_desc, b, row, hk, bar, k_s.index(slot), IS_VARLEN)
             tma_load(v_desc, b, row, hk, bar, v_s.index(slot), IS_VARLEN)
@@ -85,21 +84,20 @@ def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, 
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, b, h, hk, m_start, lo, n_blocks,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, b, h, hk, m_start, lo, n_blocks,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """A dense program's loader: its one item."""
-    _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, ready, empty, b, h, hk, m_start, lo,
-               n_blocks, 0, 0, 0, 0, BLOCK_M, BLOCK_N, STAGES, STAGES, False)
+    _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, ring, b, h, hk, m_start, lo, n_blocks, 0, 0, 0, 0,
+               BLOCK_M, BLOCK_N, False)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready, v_empty,
-                   COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
+def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
+                   CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen forward]): it takes the next item from the
-    work counter, describes it to the consumers in info slot r % 2 and loads its Q into Q set r % 2 (its r-th
-    item), once both consumers have handed that set back; the K/V rings run on from item to item. The first item
+    work counter, describes it to the consumers and loads its Q into its set of Q buffers (hopper_common.BufferSets),
+    once both consumers have handed that set back; the K/V rings run on from item to item. The first item
     past the list is published invalid, which ends the program."""
     it0 = 0
     r = 0
@@ -110,19 +108,14 @@ def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, q_free, info, 
             gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr,
             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
         valid = valid & (w < n_items)
-        qset = r % 2
-        # A fresh barrier counts as having completed the phase before its first: items 0 and 1 wait for nothing.
-        mbarrier.wait(q_free.index(2 * qset), ((r // 2) & 1) ^ 1)
-        mbarrier.wait(q_free.index(2 * qset + 1), ((r // 2) & 1) ^ 1)
-        publish_item(info.index(qset), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
+        sets.wait_free(r)
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
         if valid:
-            _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bars, ready, empty, v_ready, v_empty, b, h,
-                       h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, it0, 2 * qset, BLOCK_M, BLOCK_N,
-                       KS, VS, True)
+            _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets.held, k_ring, v_ring, b, h, h // GROUP, m_start,
+                       lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, True)
             it0 += n_blocks
-        else:  # no Q to load: a plain arrival completes the consumers' wait
-            mbarrier.arrive(q_bars.index(2 * qset), count=1)
-            mbarrier.arrive(q_bars.index(2 * qset + 1), count=1)
+        else:
+            sets.end(r)
             done = True
         r += 1
 
@@ -157,10 +150,9 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
 
 
 @gluon.jit
-def _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi,
-          seqlen_k, diag, wl, wr, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, MASK_LEFT: gl.constexpr,
-          MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr,
+          qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Key block n0 at ring position it, after the item's first: S on the block's first WIDTH keys (all of them, or
     half under Note [half last block]) is issued with the previous block's P V under it, and its softmax runs
     while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
@@ -169,13 +161,11 @@ def _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it, n0, p, acc, m_i,
     s_layout: gl.constexpr = _acc_layout(WIDTH)
     o_layout: gl.constexpr = _acc_layout(HEAD_DIM)
     p_layout: gl.constexpr = _p_layout(HEAD_DIM)
-    slot = it % KS
-    mbarrier.wait(ready.index(slot), (it // KS) & 1)
+    slot = k_ring.slot(it)
+    k_ring.wait_ready(it)
     if IS_VARLEN:  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
-        prev = (it - 1) % VS
-        mbarrier.wait(v_ready.index(prev), ((it - 1) // VS) & 1)
-    else:
-        prev = (it - 1) % KS
+        v_ring.wait_ready(it - 1)
+    prev = v_ring.slot(it - 1)
     k_tile = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
     if WIDTH < BLOCK_N:
         k_tile = k_tile.slice(0, WIDTH)
@@ -185,30 +175,25 @@ def _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it, n0, p, acc, m_i,
                         is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     if IS_VARLEN:
-        mbarrier.arrive(empty.index(slot), count=1)  # K_j is read
+        k_ring.release(it)  # K_j is read
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k, diag, wl, wr,
                                   qk_scale, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if IS_VARLEN:
-        mbarrier.arrive(v_empty.index(prev), count=1)  # V_{j-1} is read
-    else:
-        mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1} and V_{j-1} are read
+    v_ring.release(it - 1)  # V_{j-1} is read (and K_{j-1}, in a dense batch's joint ring)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p, m_i, l_i, acc
 
 
 @gluon.jit
-def _last_pv(p, acc, v_s, empty, v_ready, v_empty, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+             IS_VARLEN: gl.constexpr):
     """The item's last P V, on the first WIDTH rows of V at ring position it (keys_left of its rows in the
     sequence), with nothing left to hide it under."""
     dtype: gl.constexpr = v_s.dtype
     p_layout: gl.constexpr = _p_layout(HEAD_DIM)
-    if IS_VARLEN:
-        last = it % VS
-        mbarrier.wait(v_ready.index(last), (it // VS) & 1)
-    else:
-        last = it % KS
+    if IS_VARLEN:  # a dense batch's consumer has waited for the fill of K and V together
+        v_ring.wait_ready(it)
+    last = v_ring.slot(it)
     v_last = v_s.index(last).reshape([BLOCK_N, HEAD_DIM])
     if IS_VARLEN:
         if keys_left < BLOCK_N:  # the sequence ends inside the last key block
@@ -217,19 +202,16 @@ def _last_pv(p, acc, v_s, empty, v_ready, v_empty, it, keys_left, WIDTH: gl.cons
         v_last = v_last.slice(0, WIDTH)
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if IS_VARLEN:
-        mbarrier.arrive(v_empty.index(last), count=1)
-    else:
-        mbarrier.arrive(empty.index(last), count=1)
+    v_ring.release(it)
     return acc
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, ready, empty, v_ready, v_empty, b, h,
-                  m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale,
-                  stride_om, stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, b, h, m_start, lo,
+                  full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om,
+                  stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
     A varlen (persistent) consumer leaves its O store in flight, and hands the previous item's Q buffer back
     (free_prev) once its first S of this item is issued.
@@ -254,15 +236,15 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     if (n_blocks > 0) & (m0 < seqlen_q):
-        first = it0 % KS
-        mbarrier.wait(ready.index(first), (it0 // KS) & 1)
+        first = k_ring.slot(it0)
+        k_ring.wait_ready(it0)
         s = warpgroup_mma(q_tile, k_s.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         if IS_VARLEN:
-            _free_previous(free_prev, q_free, qi ^ 2)
+            _free_previous(free_prev, sets, sets.other(qi))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if IS_VARLEN:
-            mbarrier.arrive(empty.index(first), count=1)  # K_0 is read (its own ring)
+            k_ring.release(it0)  # K_0 is read (its own ring)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
                                       wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
         n_last = lo + (n_blocks - 1) * BLOCK_N
@@ -271,30 +253,28 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
             keys_end = gl.minimum(keys_end, gl.minimum(m0 + BLOCK_M, seqlen_q) + diag + wr)
         half = (n_blocks > 1) & (keys_end - n_last <= HALF)
         for j in range(1, n_blocks - half.to(gl.int32)):
-            p, m_i, l_i, acc = _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it0 + j, lo + j * BLOCK_N, p,
-                                     acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr, qk_scale,
-                                     BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N, KS, VS, MASK_LEFT, MASK_RIGHT, IS_VARLEN)
+            p, m_i, l_i, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it0 + j, lo + j * BLOCK_N, p, acc, m_i, l_i,
+                                     rows, full_lo, full_hi, seqlen_k, diag, wl, wr, qk_scale, BLOCK_N, HEAD_DIM,
+                                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN)
         it_last = it0 + n_blocks - 1
         if half:
-            p_h, m_h, l_h, acc = _step(q_tile, k_s, v_s, ready, empty, v_ready, v_empty, it_last, n_last, p, acc,
+            p_h, m_h, l_h, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it_last, n_last, p, acc,
                                        gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(rows, gl.SliceLayout(1, h_layout)), full_lo, full_hi,
-                                       seqlen_k, diag, wl, wr, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, KS, VS,
+                                       seqlen_k, diag, wl, wr, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
                                        MASK_LEFT, MASK_RIGHT, IS_VARLEN)
-            acc = _last_pv(p_h, acc, v_s, empty, v_ready, v_empty, it_last, seqlen_k - n_last, HALF, HEAD_DIM,
-                           BLOCK_N, KS, VS, IS_VARLEN)
+            acc = _last_pv(p_h, acc, v_s, v_ring, it_last, seqlen_k - n_last, HALF, HEAD_DIM, BLOCK_N, IS_VARLEN)
             m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
             l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
         else:
-            acc = _last_pv(p, acc, v_s, empty, v_ready, v_empty, it_last, seqlen_k - n_last, BLOCK_N, HEAD_DIM,
-                           BLOCK_N, KS, VS, IS_VARLEN)
+            acc = _last_pv(p, acc, v_s, v_ring, it_last, seqlen_k - n_last, BLOCK_N, HEAD_DIM, BLOCK_N, IS_VARLEN)
     else:
         # No key block, or no row of this tile in the sequence (the last tile's upper half): nothing to compute,
         # but the other consumer's loads still wait on this one's releases.
         if IS_VARLEN:
-            _free_previous(free_prev, q_free, qi ^ 2)
-        _pass_over(it0, it0 + n_blocks, ready, empty, v_ready, v_empty, KS, VS, IS_VARLEN)
+            _free_previous(free_prev, sets, sets.other(qi))
+        _pass_over(it0, it0 + n_blocks, k_ring, v_ring, IS_VARLEN)
     # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
@@ -313,59 +293,54 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, re
 
 
 @gluon.jit
-def _pass_over(it_from, it_to, ready, empty, v_ready, v_empty, KS: gl.constexpr, VS: gl.constexpr,
-               IS_VARLEN: gl.constexpr):
+def _pass_over(it_from, it_to, k_ring, v_ring, IS_VARLEN: gl.constexpr):
     """hopper_common.pass_over over the K ring and, for a varlen batch, V's own ring, block by block: the loader
     fills K_j then V_j, so passing over every K first would wait for a K fill queued behind a V slot that only the
     V releases free."""
     for it in range(it_from, it_to):
-        mbarrier.wait(ready.index(it % KS), (it // KS) & 1)
-        mbarrier.arrive(empty.index(it % KS), count=1)
+        k_ring.wait_ready(it)
+        k_ring.release(it)
         if IS_VARLEN:
-            mbarrier.wait(v_ready.index(it % VS), (it // VS) & 1)
-            mbarrier.arrive(v_empty.index(it % VS), count=1)
+            v_ring.wait_ready(it)
+            v_ring.release(it)
 
 
 @gluon.jit
-def _free_previous(free_prev, q_free, prev):
-    """Once the previous item's O store has read its Q buffer (the other set's), hand that buffer back."""
+def _free_previous(free_prev, sets, prev):
+    """Once the previous item's O store has read its Q buffer (prev, the other set's), hand that buffer back."""
     if free_prev:
         tma.store_wait(pendings=0)
-        mbarrier.arrive(q_free.index(prev), count=1)
+        sets.release(prev)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo,
-              full_lo, full_hi, n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr):
+def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi,
+              n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A dense program's consumer c: its one item."""
-    mbarrier.wait(q_bars.index(c), 0)
-    _consume_item(c, o_desc, None, LSE, q_s, k_s, v_s, None, ready, empty, ready, empty, b, h, m_start, lo, full_lo,
-                  full_hi, n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, 0, 0, 0, c, False, HEAD_DIM,
-                  BLOCK_M, BLOCK_N, STAGES, STAGES, MASK_LEFT, MASK_RIGHT, False)
+    mbarrier.wait(held.index(c), 0)
+    _consume_item(c, o_desc, None, LSE, q_s, k_s, v_s, None, ring, ring, b, h, m_start, lo, full_lo, full_hi,
+                  n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, 0, 0, 0, c, False, HEAD_DIM, BLOCK_M,
+                  BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty,
-                     v_ready, v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
-                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, qk_scale,
+                     stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in Q set and info slot r % 2), until one is invalid."""
+    in its set of Q buffers: hopper_common.BufferSets), until one is invalid."""
     it0 = 0
     r = 0
     done = False
     while not done:
-        qset = r % 2
-        mbarrier.wait(q_bars.index(2 * qset + c), (r // 2) & 1)
-        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(info.index(qset))
+        sets.wait_held(r, c)
+        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(sets.info_slot(r))
         if valid:
             lse_off = h.to(gl.int64) * stride_lh + q_row0
-            _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, q_free, ready, empty, v_ready, v_empty, 0, h,
-                          m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, qk_scale,
-                          stride_om, stride_oh, it0, 2 * qset + c, r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, KS, VS,
-                          MASK_LEFT, MASK_RIGHT, True)
+            _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, 0, h, m_start, lo, full_lo,
+                          full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, qk_scale, stride_om, stride_oh, it0,
+                          sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
             it0 += n_blocks
         else:
             done = True
@@ -448,31 +423,34 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
         q_free = barrier_array(4, 1)
         info = info_slots()
-        q_bars, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
+        held, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
+        sets = BufferSets(held, q_free, info)
+        k_ring = Ring(ready, empty, KS)
+        v_ring = Ring(v_ready, v_empty, VS)
         gl.warp_specialize([
-            (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready,
-                                v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, KS, VS, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready,
-                                v_empty, wl, wr, qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, KS, VS, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_loader, (Q, K, V, q_s, k_s, v_s, q_bars, q_free, info, ready, empty, v_ready, v_empty, COUNTER,
-                              TILES,
+            (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
+                                qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                MASK_RIGHT)),
+            (_varlen_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
+                                qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                MASK_RIGHT)),
+            (_varlen_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES,
                               CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
-                              BLOCK_N, KS, VS, GROUP, MASK_LEFT, MASK_RIGHT)),
+                              BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
         q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        q_bars, ready, empty = ring_barriers(STAGES, 2)
+        held, ready, empty = ring_barriers(STAGES, 2)
+        ring = Ring(ready, empty, STAGES)  # K_j and V_j in one slot
         gl.warp_specialize([
-            (_consumer, (0, O, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
-                         n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         MASK_LEFT, MASK_RIGHT)),
-            (_consumer, (1, O, LSE, q_s, k_s, v_s, q_bars, ready, empty, b, h, m_start, lo, full_lo, full_hi,
-                         n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         MASK_LEFT, MASK_RIGHT)),
-            (_loader, (Q, K, V, q_s, k_s, v_s, q_bars, ready, empty, b, h, h // GROUP, m_start, lo, n_blocks,
-                       BLOCK_M, BLOCK_N, STAGES)),
+            (_consumer, (0, O, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
+                         lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                         MASK_RIGHT)),
+            (_consumer, (1, O, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
+                         lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                         MASK_RIGHT)),
+            (_loader, (Q, K, V, q_s, k_s, v_s, held, ring, b, h, h // GROUP, m_start, lo, n_blocks, BLOCK_M,
+                       BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
