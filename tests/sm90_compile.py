@@ -62,24 +62,27 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def dense(d, dtype, b=2, sq=128, sk=128, h=4, hk=2, backward=True, **kw):
-    """flash_attn_func forward (+ backward) of (b, sq, h, d) queries over (b, sk, hk, d) keys."""
+def dense(d, dtype, b=2, sq=128, sk=128, h=4, hk=2, backward=True, dv=None, **kw):
+    """flash_attn_func forward (+ backward) of (b, sq, h, d) queries over (b, sk, hk, d) keys and (b, sk, hk, dv)
+    values (dv: d by default)."""
     q = _rand(b, sq, h, d, dtype=dtype, grad=backward)
-    k, v = (_rand(b, sk, hk, d, dtype=dtype, grad=backward) for _ in range(2))
+    k = _rand(b, sk, hk, d, dtype=dtype, grad=backward)
+    v = _rand(b, sk, hk, dv or d, dtype=dtype, grad=backward)
     out = flashtile.flash_attn_func(q, k, v, **kw)
     if backward:
         out.float().sum().backward()
 
 
 def varlen(d, dtype, lens_q=(70, 1, 130), lens_k=None, h=4, hk=2, backward=True, seqused=False, paged=None,
-           **kw):
-    """flash_attn_varlen_func forward (+ backward); paged: page size of a paged K/V cache (forward only)."""
+           dv=None, **kw):
+    """flash_attn_varlen_func forward (+ backward); paged: page size of a paged K/V cache (forward only); dv: v's
+    head dim (d by default)."""
     lens_k = lens_q if lens_k is None else lens_k
     q = _rand(sum(lens_q), h, d, dtype=dtype, grad=backward)
     extra = {}
     if paged:
         pages = [-(-n // paged) for n in lens_k]
-        k, v = (_rand(sum(pages) + 1, paged, hk, d, dtype=dtype) for _ in range(2))
+        k, v = (_rand(sum(pages) + 1, paged, hk, w, dtype=dtype) for w in (d, dv or d))
         table = torch.zeros(len(lens_k), max(pages), dtype=torch.int32)
         first = 0
         for b, n in enumerate(pages):
@@ -87,7 +90,7 @@ def varlen(d, dtype, lens_q=(70, 1, 130), lens_k=None, h=4, hk=2, backward=True,
             first += n
         extra["block_table"] = table
     else:
-        k, v = (_rand(sum(lens_k), hk, d, dtype=dtype, grad=backward) for _ in range(2))
+        k, v = (_rand(sum(lens_k), hk, w, dtype=dtype, grad=backward) for w in (d, dv or d))
     if seqused:
         extra.update(seqused_q=torch.tensor([max(n - 1, 0) for n in lens_q], dtype=torch.int32),
                      seqused_k=torch.tensor([max(n - 2, 0) for n in lens_k], dtype=torch.int32))
@@ -97,10 +100,11 @@ def varlen(d, dtype, lens_q=(70, 1, 130), lens_k=None, h=4, hk=2, backward=True,
         out.float().sum().backward()
 
 
-def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, splits=0, features=True):
+def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, splits=0, features=True, absorbed=0):
     """flash_attn_with_kvcache: sq new queries over a (cap-row) cache, contiguous or paged with `page`-row pages,
     appending `append` tokens; `features`: rotary, ALiBi, softcap, a window, cache_leftpad (and cache_batch_idx on
-    a contiguous cache)."""
+    a contiguous cache); `absorbed`: v_cache (and v) are views of k_cache's (and k's) first `absorbed` channels,
+    an absorbed MLA cache."""
     kw = {}
     if page:
         n = cap // page
@@ -119,6 +123,8 @@ def kvcache(d, dtype, b=2, sq=1, h=16, hk=4, cap=512, page=None, append=1, split
         kw.update(rotary_cos=cos, rotary_sin=sin, alibi_slopes=torch.rand(h), softcap=10.0, window_size=(64, 0),
                   cache_leftpad=torch.full((b,), 3, dtype=torch.int32), learnable_sink=torch.rand(h),
                   attention_chunk=64)
+    if absorbed:
+        v_cache, v = k_cache[..., :absorbed], None if k is None else k[..., :absorbed]
     flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, num_splits=splits, **kw)
 
 
@@ -183,6 +189,11 @@ def scenarios():
             ("d128 window", lambda: dense(128, BF16, window_size=(40, 8))),
             ("d128 varlen", lambda: varlen(128, BF16)),
             ("d128 varlen window", lambda: varlen(128, BF16, window_size=(40, 8)))]
+    # head_dim_v != head_dim: MLA prefill (192, 128), the pair (128, 64), v wider than q/k, and paged.
+    out += [("d192 v128 causal", lambda: dense(192, BF16, dv=128, causal=True)),
+            ("d128 v64 varlen everything", lambda: varlen(128, BF16, dv=64, seqused=True, **every)),
+            ("d64 v128 dense", lambda: dense(64, BF16, dv=128)),
+            ("d192 v128 paged", lambda: varlen(192, BF16, dv=128, backward=False, paged=16, causal=True))]
     # Decode: every tile of DECODE_TABLE's (BLOCK_M from one token's GQA group up to the table's), contiguous,
     # paged with pages smaller than a key tile and paged with whole tiles, every flag on; the plain step with one
     # split (output in q's dtype) and several (fp32 partials and combine); fp32; the append kernel's variants.
@@ -204,6 +215,10 @@ def scenarios():
                                                                 torch.randn(3, 2, 4, 5), BF16)),
                 (f"combine d{d} many rows", lambda d=d: flashtile.combine(torch.randn(2, 8, 64, 16, d),
                                                                           torch.randn(2, 8, 16, 64)))]
+    # An absorbed MLA cache at the widest head dims the kernels take (q/k 192 over a 128-wide v view; DeepSeek's
+    # own 576/512 needs head dims past 256): 16 query heads on one latent head, contiguous and paged.
+    out += [(f"decode d192 v128 absorbed page {page}", lambda p=page: kvcache(
+        192, BF16, h=16, hk=1, page=p, features=False, splits=0, absorbed=128)) for page in (None, 64)]
     return out
 
 

@@ -85,7 +85,7 @@ CATALOGUE = {
     "varlen q rank": (varlen(q=_t(1, 12, 4, 32)), ValueError, "q must have 3 dimensions"),
     "varlen qkv shape": (varlen_qkv(qkv=_t(12, 4, 4, 32)), ValueError, "qkv must have 4 dimensions"),
     "kvcache q rank": (kvcache(q=_t(2, 4, 32)), ValueError, "q must have 4 dimensions"),
-    "kvcache head dims": (kvcache(q=_t(2, 1, 4, 16)), ValueError, "same headdim"),
+    "kvcache head dims": (kvcache(q=_t(2, 1, 4, 16)), ValueError, "q and k_cache must have the same head"),
     "kvcache cache batch": (kvcache(k_cache=_t(1, 64, 2, 32), v_cache=_t(1, 64, 2, 32)), ValueError,
                             "holds 1 sequences"),
     "kvcache new k shape": (kvcache(k=_t(2, 1, 4, 32), v=_t(2, 1, 4, 32)), ValueError, "k must have shape"),

@@ -17,8 +17,8 @@ What this module does not do: make flash-attn's distribution metadata appear (li
 `importlib.metadata.version("flash-attn")`, such as transformers' flash_attention_2 loader, still see none: use
 flashtile.integrations.transformers there), or provide flash-attn's other modules (layers.rotary's RotaryEmbedding,
 ops, losses, models). FlashAttention-4 arguments that flashtile has no counterpart for (mask_mod, score_mod, block
-sparsity, aux tensors) raise NotImplementedError naming the argument; learnable_sink is flashtile's; its performance hints
-(num_splits, pack_gqa, deterministic) are accepted and ignored: flashtile's backward is always deterministic.
+sparsity, aux tensors) raise NotImplementedError naming the argument; learnable_sink is flashtile's; its performance
+hints (num_splits, pack_gqa, deterministic) are accepted and ignored: flashtile's backward is always deterministic.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def cute_flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, m
     Packed q, k, v with cu_seqlens_q/k (max_seqlen optional: flashtile needs none), seqused_q/k as FA4. A paged
     KV cache (page_table, the key counts in seqused_k, no cu_seqlens_k) with a dense q (B, Sq, H, D) runs
     flash_attn_with_kvcache, bottom-right aligned, forward only."""
-    _refuse_fa4(score_mod=score_mod, mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, cu_total_m_blocks=cu_total_m_blocks,
-                cu_total_n_blocks=cu_total_n_blocks, aux_tensors=aux_tensors)
+    _refuse_fa4(score_mod=score_mod, mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors,
+                cu_total_m_blocks=cu_total_m_blocks, cu_total_n_blocks=cu_total_n_blocks, aux_tensors=aux_tensors)
     window = _window(window_size)
     if page_table is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None or seqused_q is not None:

@@ -31,12 +31,14 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     require_runnable(q.device)
     if fallback_logging():
-        log_fallback(q.device, p.dtype, p.head_dim_padded, paged=p.paged, softcap=p.softcap, alibi=p.alibi,
-                     seqused=seqused_q is not None or seqused_k is not None, dropout=p.dropout_p > 0.0,
-                     sink=p.sink, chunk=p.attention_chunk > 0)
+        log_fallback(q.device, p.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, paged=p.paged,
+                     softcap=p.softcap, alibi=p.alibi, seqused=seqused_q is not None or seqused_k is not None,
+                     dropout=p.dropout_p > 0.0, sink=p.sink, chunk=p.attention_chunk > 0)
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
-    q, k, v = (None if t is None else _pad(t, p.head_dim) for t in (q, k, v))
+    # Packed inputs share one head dim; separate ones pad v to its own (head_dim_v).
+    q, k = (None if t is None else _pad(t, p.head_dim) for t in (q, k))
+    v = None if v is None else _pad(v, p.head_dim_v)
     rng = draw_rng(q.device) if p.dropout_p > 0.0 else None  # Note [dropout seed] in ops/dropout.py
     # The kernels read the sink as fp32; the cast is differentiated by autograd, so its gradient comes back in the
     # sink's own dtype.
@@ -44,7 +46,7 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, sink,
                          rng, p.seqlen_q, p.seqlen_k, p.softmax_scale, p.window_left, p.window_right,
                          p.attention_chunk, p.softcap, p.dropout_p, packing)
-    out = out[..., :p.head_dim] if out.shape[-1] != p.head_dim else out
+    out = out[..., :p.head_dim_v] if out.shape[-1] != p.head_dim_v else out
     if not return_attn_probs:
         return out
     if rng is None:  # without dropout flash-attn returns an empty S_dmask too
@@ -60,16 +62,18 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None, attention_chunk=0):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None,
+                    attention_chunk=0):
     """Exact attention softmax(q kᵀ · softmax_scale) v, fused and tiled; forward and backward.
 
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim)
         k: (batch_size, seqlen_k, nheads_k, headdim)
-        v: (batch_size, seqlen_k, nheads_k, headdim)
+        v: (batch_size, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim (MLA prefill: 192 and
+            128), as in FlashAttention-3.
             nheads must be a multiple of nheads_k (MQA/GQA): query head h uses key/value head h // (nheads /
-            nheads_k). fp16, bf16 or fp32; unit stride in the last dimension, any other strides. headdim <= 256
-            (multiples of 8 run natively, others are zero-padded).
+            nheads_k). fp16, bf16 or fp32; unit stride in the last dimension, any other strides. headdim and
+            headdim_v <= 256 (multiples of 8 run natively, others are zero-padded).
         dropout_p: dropout probability in [0, 1) (training): out = (dropout(P) / (1 - dropout_p)) v with P the
             softmax, as flash-attn 2. The mask is drawn in the kernels from the generator of q's device (each call
             advances it; `torch.manual_seed` reproduces a run), and the backward regenerates it. Pass 0.0 in
@@ -103,7 +107,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             for none: keys are cut into chunks of attention_chunk, and query i sees only keys of the chunk its
             position i + seqlen_k - seqlen_q falls in (combined with causal and window_size).
     Return:
-        out: (batch_size, seqlen_q, nheads, headdim).
+        out: (batch_size, seqlen_q, nheads, headdim_v).
         softmax_lse [if return_attn_probs]: (batch_size, nheads, seqlen_q), float32, natural log of the row sums
             of exp(scores); +inf for rows with no visible key.
         S_dmask [if return_attn_probs]: without dropout an empty tensor; with dropout (batch_size, nheads,
@@ -131,8 +135,8 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
                       attention_chunk)
     require_runnable(q.device)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
-        q.device, q.dtype, p.head_dim_padded, softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0,
-        sink=p.sink, chunk=p.attention_chunk > 0)
+        q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, softcap=p.softcap, alibi=p.alibi,
+        dropout=p.dropout_p > 0.0, sink=p.sink, chunk=p.attention_chunk > 0)
     path = TRITON if reason else HOPPER_PATH
     return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
 
@@ -189,9 +193,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q: (total_q, nheads, headdim), total_q = total number of query tokens in the batch.
         k: (total_k, nheads_k, headdim), or with block_table a paged cache (num_blocks, page_block_size, nheads_k,
             headdim) with any page_block_size >= 1.
-        v: same shape as k.
+        v: k's shape but for the last dimension, headdim_v (as `flash_attn_func`).
             nheads must be a multiple of nheads_k (MQA/GQA). fp16, bf16 or fp32, unit stride in the last dimension;
-            headdim <= 256.
+            headdim and headdim_v <= 256.
         cu_seqlens_q: (batch_size + 1,), int32, the cumulative sequence lengths of q: starts at 0, non-decreasing,
             ends at total_q. Zero-length sequences are allowed.
         cu_seqlens_k: (batch_size + 1,), int32, the same for k and v (ends at total_k). With block_table it gives
@@ -229,7 +233,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     the packed totals and block_table entries into the cache, so a bad value gives a wrong result for its own
     sequence but never reads or writes outside q, k, v or the cache.
     Return:
-        out: (total_q, nheads, headdim).
+        out: (total_q, nheads, headdim_v).
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32, natural log of the row sums of
             exp(scores); +inf for rows with no visible key.
         S_dmask [if return_attn_probs]: as `flash_attn_func`, (batch_size, nheads, max_seqlen_q rounded up to 128,

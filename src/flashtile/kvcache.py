@@ -67,9 +67,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) without block_table, or
             (num_blocks, page_block_size, nheads_k, headdim) with block_table (a paged cache). Any
             page_block_size >= 1. Same dtype as q; unit stride in the last dimension. headdim <= 256.
-        v_cache: same shape as k_cache.
+        v_cache: k_cache's shape but for the last dimension, headdim_v <= 256, which may differ from headdim (MLA).
+            v_cache may be a view of k_cache (an absorbed MLA cache: v_cache = k_cache[..., :headdim_v], one
+            storage); appended v is then written over k's first channels, after k.
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim), new keys to append. Needs v and cache_seqlens.
-        v [optional]: (batch_size, seqlen_new, nheads_k, headdim), new values to append.
+        v [optional]: (batch_size, seqlen_new, nheads_k, headdim_v), new values to append.
         rotary_cos [optional]: (seqlen_ro, rotary_dim / 2); rotary_dim <= headdim. Needs k and v, and
             seqlen_ro >= the cache capacity (seqlen_cache, or max_num_blocks_per_seq * page_block_size). A query
             whose position is past the table (causal or local, more queries than appended keys) is not rotated,
@@ -100,7 +102,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         attention_chunk [keyword, optional]: chunked attention (as `flash_attn_func`): query i sees only the keys
             of the chunk of `attention_chunk` keys its position falls in, positions counted from cache_leftpad.
     Return:
-        out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
+        out: (batch_size, seqlen_q, nheads, headdim_v), q's dtype.
         softmax_lse [if return_softmax_lse]: (batch_size, nheads, seqlen_q) fp32, natural log of the row sums of
             exp(scaled scores); +inf for rows with no visible key.
     """

@@ -43,7 +43,8 @@ class AttnProblem:
     seqlen_k: int
     nheads: int
     nheads_kv: int
-    head_dim: int  # as given by the user (before padding to a multiple of 8)
+    head_dim: int  # q's and k's, as given by the user (before padding to a multiple of 8)
+    head_dim_v: int  # v's and the output's; MLA prefill has q/k 192 and v 128
     dtype: torch.dtype
     softmax_scale: float
     window_left: int  # -1: unbounded
@@ -63,6 +64,10 @@ class AttnProblem:
     @property
     def head_dim_padded(self) -> int:
         return pad_head_dim(self.head_dim)
+
+    @property
+    def head_dim_v_padded(self) -> int:
+        return pad_head_dim(self.head_dim_v)
 
 
 def pad_head_dim(d: int) -> int:
@@ -243,20 +248,33 @@ def dense_problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    return _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
+    check_kv_shapes(k, v)
+    return _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], v.shape[-1], q, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, dropout_p, varlen=False, learnable_sink=learnable_sink,
                    attention_chunk=attention_chunk)
 
 
-def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, q, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, dropout_p, varlen, paged=False, learnable_sink=None,
-            attention_chunk=0) -> AttnProblem:
+def check_kv_shapes(k, v, names=("k", "v")) -> None:
+    """k and v agree in every dimension but the last: v's head dim may differ (head_dim_v, MLA)."""
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"{names[0]} and {names[1]} must have the same shape but for the last (head_dim) dimension, "
+                         f"got {names[0]} {tuple(k.shape)} and {names[1]} {tuple(v.shape)}")
+
+
+def check_head_dims(head_dim: int, head_dim_k: int, head_dim_v: int, names=("q", "k", "v")) -> None:
+    """q and k share a head dim; v's may differ (head_dim_v, as FlashAttention-3 allows); each in [1, MAX]."""
     if head_dim_k != head_dim:
-        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {head_dim_k}")
+        raise ValueError(f"{names[0]} and {names[1]} must have the same head_dim, got {head_dim} and {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if not 1 <= head_dim_v <= MAX_HEAD_DIM:
+        raise ValueError(f"{names[2]}'s head dim (head_dim_v) must be in [1, {MAX_HEAD_DIM}], got {head_dim_v}")
+
+
+def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, head_dim_v, q, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, dropout_p, varlen, paged=False, learnable_sink=None,
+            attention_chunk=0) -> AttnProblem:
+    check_head_dims(head_dim, head_dim_k, head_dim_v)
     if nheads_kv < 1 or nheads % nheads_kv != 0:
         raise ValueError(f"number of query heads ({nheads}) must be a multiple of the number of key/value heads "
                          f"({nheads_kv})")
@@ -267,7 +285,7 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
     softmax_scale = check_scalar_args(dropout_p, softmax_scale, softcap, head_dim)
     check_alibi(alibi_slopes, batch, nheads, q.device)
     left, right = normalize_window(causal, window_size)
-    return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, q.dtype, softmax_scale,
+    return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v, q.dtype, softmax_scale,
                        left, right, float(softcap), alibi_slopes is not None, varlen, paged, check_dropout(dropout_p),
                        check_sink(learnable_sink, nheads, q.device), check_chunk(attention_chunk))
 
@@ -287,8 +305,7 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     check_tensor("q", q, 3)
     check_tensor("k", k, 4 if paged else 3, q.device, q.dtype)
     check_tensor("v", v, 4 if paged else 3, q.device, q.dtype)
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    check_kv_shapes(k, v)
     total_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[-2]
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -312,8 +329,8 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         lengths_k = _check_seqused("seqused_k", seqused_k, lengths_k, max_seqlen_k, "max_seqlen_k")
         if paged:
             _check_block_table(block_table, lengths_k, k.shape[0], k.shape[1])
-    return _common(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], q, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, dropout_p, varlen=True, paged=paged,
+    return _common(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, head_dim, k.shape[-1], v.shape[-1], q,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, varlen=True, paged=paged,
                    learnable_sink=learnable_sink, attention_chunk=attention_chunk)
 
 
@@ -398,6 +415,7 @@ class KVCacheProblem:
     nheads: int
     nheads_kv: int
     head_dim: int
+    head_dim_v: int  # v_cache's; an absorbed MLA cache's v_cache is a view of k_cache's first channels
     capacity: int  # rows one sequence's cache holds
     seqlen_new: int  # tokens appended (k.shape[1]; 0 without k and v)
     softmax_scale: float
@@ -426,15 +444,10 @@ def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     check_tensor("q", q, 4)
     check_tensor("k_cache", k_cache, 4, q.device, q.dtype)
     check_tensor("v_cache", v_cache, 4, q.device, q.dtype)
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+    check_kv_shapes(k_cache, v_cache, ("k_cache", "v_cache"))
     batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_kv = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"q and k_cache must have the same headdim, got {head_dim} and {k_cache.shape[3]}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"headdim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    check_head_dims(head_dim, k_cache.shape[3], head_dim_v, ("q", "k_cache", "v_cache"))
     if seqlen_q < 1:
         raise ValueError(f"q must have at least one token (seqlen_q >= 1), got shape {tuple(q.shape)}")
     check_grid_limits(batch, nheads)
@@ -462,11 +475,11 @@ def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if k is not None:
         check_tensor("k", k, 4, q.device, q.dtype)
         check_tensor("v", v, 4, q.device, q.dtype)
-        expected = (batch, k.shape[1], nheads_kv, head_dim)
-        for name, t in (("k", k), ("v", v)):
+        for name, t, d in (("k", k, head_dim), ("v", v, head_dim_v)):
+            expected = (batch, k.shape[1], nheads_kv, d)
             if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
-                                 f"{expected}, got {tuple(t.shape)}")
+                raise ValueError(f"{name} must have shape (batch_size, seqlen_new, nheads_k, {name}_cache's "
+                                 f"headdim) = {expected}, got {tuple(t.shape)}")
         seqlen_new = k.shape[1]
         if seqlen_new > cap:
             raise ValueError(f"cannot append {seqlen_new} tokens (k.shape[1]) to a cache of capacity {cap}")
@@ -504,8 +517,8 @@ def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                      block_table):
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
 
-    return KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, cap, seqlen_new, softmax_scale, window_left,
-                          window_right, float(softcap), block_table, cache_seqlens, attention_chunk)
+    return KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, head_dim_v, cap, seqlen_new, softmax_scale,
+                          window_left, window_right, float(softcap), block_table, cache_seqlens, attention_chunk)
 
 
 def _cache_value_checks(device, paged: bool, *tensors) -> bool:

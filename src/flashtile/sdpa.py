@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .interface import flash_attn_func
 
@@ -52,10 +51,6 @@ def _causal_variant(attn_mask, seqlen_q: int, seqlen_k: int):
         "flashtile.flash_attn_func's window_size / flash_attn_varlen_func for padding.")
 
 
-def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """softmax(query keyᵀ · scale) value, with PyTorch SDPA's signature and semantics, by flashtile's kernels.
@@ -65,11 +60,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             in all: a 3-dimensional query is (nheads, seqlen_q, headdim)). fp16, bf16 or fp32, unit stride in
             the last dimension; headdim <= 256.
         key: (..., nheads_k, seqlen_k, headdim), the same leading dimensions (no broadcasting).
-        value: (..., nheads_k, seqlen_k, headdim_v). headdim_v may differ from headdim (the smaller of the two
-            is zero-padded to the larger for the kernels, and the output cut back to headdim_v).
+        value: (..., nheads_k, seqlen_k, headdim_v). headdim_v may differ from headdim (flash_attn_func's
+            head_dim_v).
         attn_mask: None, or a causal bias of `torch.nn.attention.bias` (`causal_upper_left`,
             `causal_lower_right`, for these lengths). A tensor mask raises NotImplementedError.
-        dropout_p: dropout probability (flashtile's, flash-attn 2's semantics: Note [dropout mask] in kernels/dropout.py).
+        dropout_p: dropout probability (flashtile's, flash-attn 2's semantics: Note [dropout mask] in
+            kernels/dropout.py).
         is_causal: top-left causal mask, as SDPA's: query i sees keys j <= i, whatever seqlen_q and seqlen_k
             (flash_attn_func's causal is aligned bottom-right instead). Not together with attn_mask.
         scale: scaling of query keyᵀ before the softmax; default 1 / sqrt(headdim). Must be > 0.
@@ -102,9 +98,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         variant = UPPER_LEFT
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)  # of the query's head dim, before any padding
-    width = max(head_dim, head_dim_v)
     lead = query.shape[:-3]
-    q, k, v = (_pad_last(t, width).reshape(-1, *t.shape[-3:-1], width) for t in (query, key, value))
+    q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
     causal, window = False, (-1, -1)
     if variant == LOWER_RIGHT:
         causal = True
@@ -116,5 +111,4 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             window = (-1, seqlen_q - seqlen_k)
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
                           softmax_scale=scale, causal=causal, window_size=window)
-    out = out.transpose(1, 2)[..., :head_dim_v]
-    return out.reshape(*lead, nheads, seqlen_q, head_dim_v)
+    return out.transpose(1, 2).reshape(*lead, nheads, seqlen_q, head_dim_v)

@@ -32,7 +32,7 @@ def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
 def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                   softmax_scale=None, upcast=True, return_probs=False, dropout_mask=None, dropout_p=0.0,
                   learnable_sink=None, attention_chunk=0):
-    """Attention computed the plain way. q (B, Sq, H, D), k/v (B, Sk, Hk, D); returns (out, lse), and the
+    """Attention computed the plain way. q/k (B, Sq or Sk, H or Hk, D), v (B, Sk, Hk, Dv); returns (out, lse), and the
     probabilities P (B, H, Sq, Sk) too with return_probs (for accumulation_floor).
 
     dropout_mask (B, H, Sq, Sk), bool (e.g. `S_dmask >= 0` of the call under test, cropped): P becomes

@@ -36,7 +36,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..bert_padding import index_first_axis, pad_input, unpad_input
 from ..interface import flash_attn_func, flash_attn_varlen_func
@@ -113,9 +112,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     batch, seqlen_q = query.shape[0], query.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) views
-    head_dim_v = v.shape[-1]
-    if head_dim_v != q.shape[-1]:  # e.g. MLA: value heads narrower than query/key heads
-        v = F.pad(v, (0, q.shape[-1] - head_dim_v))
     # transformers counts a sliding window in tokens including the query's own; flash-attn's left bound excludes
     # it. A non-causal layer's window is symmetric (causal sets the right bound to 0).
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
@@ -130,7 +126,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _packed(q, k, v, cu, cu, kw)
     else:
         out = flash_attn_func(q, k, v, **kw)
-    return (out if head_dim_v == out.shape[-1] else out[..., :head_dim_v]), None
+    return out, None
 
 
 def _padded(q, k, v, mask: torch.Tensor, kw: dict) -> torch.Tensor:

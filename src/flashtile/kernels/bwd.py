@@ -41,7 +41,8 @@ Rows past seqlen_q are neutralised by loading lse = +inf for them (P = 0); keys 
 lists like the forward's (Notes [varlen tile list] and [longest sequences first] in seqlen.py); delta is written
 only for the rows each sequence uses, which are the only rows dK/dV reads. Offsets that can pass 2^31 elements
 are int64, as in the forward. HAS_DROPOUT regenerates the forward's mask (Note [dropout mask] in dropout.py).
-Does not do paged K/V.
+Does not do paged K/V. V, O, dO and dV have head dim HEAD_DIM_V (tiles BLOCK_DV wide), which may differ from Q's
+and K's (MLA prefill); delta sums over it.
 
 Memory: each kernel holds two tiles for its whole loop (K and V in dK/dV, Q and dO in dQ; dQ reads O once more
 for delta) and streams two others.
@@ -100,8 +101,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
         pT = tl.math.exp2(s2T - lse2[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dP = Z ∘ (dO Vᵀ); delta = rowsum(dO ∘ O)
-            # is unchanged (Note [dropout mask] in dropout.py).
+            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dP = Z ∘ (dO Vᵀ); delta =
+            # rowsum(dO ∘ O) is unchanged (Note [dropout mask] in dropout.py).
             keepT = tl.trans(keep_mask(seed, stream, bh, rows[:, None], n_start, threshold, BLOCK_M, j.shape[0]))
             dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.where(keepT, dpT * drop_scale, 0.0)
@@ -128,10 +129,12 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32,
     seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32, chunk: tl.int32,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
     STEP: tl.constexpr,
 ):
     # Under a causal mask the first key tiles are seen by the most queries: take them first.
@@ -148,14 +151,14 @@ def _bwd_dkdv_kernel(
     k = load_once(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh, n_start, seqlen_k, stride_kn,
                   BLOCK_N, HEAD_DIM, BLOCK_D)
     v = load_once(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh, n_start, seqlen_k, stride_vn,
-                  BLOCK_N, HEAD_DIM, BLOCK_D)
+                  BLOCK_N, HEAD_DIM_V, BLOCK_DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     diag = seqlen_k - seqlen_q
     j = (n_start + tl.arange(0, BLOCK_N))[:, None]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr,
                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
@@ -167,7 +170,7 @@ def _bwd_dkdv_kernel(
         q_desc = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                           seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
         do_desc = row_desc(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh,
-                           seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+                           seqlen_q, stride_dom, BLOCK_M, HEAD_DIM_V, BLOCK_DV)
         LSE_H = LSE + b64 * stride_lb + h64 * stride_lh + q_start
         DELTA_H = DELTA + b64 * stride_lb + h64 * stride_lh + q_start
         _wait_delta(READY + b * heads_kv * GROUP + h, seqlen_q)
@@ -192,7 +195,7 @@ def _bwd_dkdv_kernel(
     store_once(DK + b64 * stride_dkb + k_start * stride_dkn + hk64 * stride_dkh, n_start, seqlen_k, stride_dkn,
                dk * softmax_scale, HEAD_DIM)
     store_once(DV + b64 * stride_dvb + k_start * stride_dvn + hk64 * stride_dvh, n_start, seqlen_k, stride_dvn,
-               dv, HEAD_DIM)
+               dv, HEAD_DIM_V)
     if PDL:
         # Returns once the dQ grid has finished and its writes are visible, so that work queued after this kernel
         # also finds dQ complete (Note [delta handoff]).
@@ -202,14 +205,15 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, hi,
                   seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DESC: tl.constexpr,
+                  MASKED: tl.constexpr,
                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k = load_rows(k_src, k_start, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
-        v = load_rows(v_src, k_start, start_n, b, hk, DESC, BLOCK_N, BLOCK_D)
+        v = load_rows(v_src, k_start, start_n, b, hk, DESC, BLOCK_N, BLOCK_DV)
         if MASKED and DESC == DESC_PACKED:
             # The next sequence's rows (or rows past seqused_k, which may hold anything): dS is 0 there, but
             # 0 * inf is not, in dS K and in dP = dO Vᵀ.
@@ -250,10 +254,12 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32,
     seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, wl: tl.int32, wr: tl.int32, chunk: tl.int32,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
     STEP: tl.constexpr, LISTED: tl.constexpr, DESC: tl.constexpr, PUBLISH: tl.constexpr,
 ):
     if PDL:
@@ -273,9 +279,9 @@ def _bwd_dq_kernel(
     q = load_once(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh, m_start, seqlen_q, stride_qm,
                   BLOCK_M, HEAD_DIM, BLOCK_D)
     do = load_once(DO + b64 * stride_dob + q_start * stride_dom + h64 * stride_doh, m_start, seqlen_q, stride_dom,
-                   BLOCK_M, HEAD_DIM, BLOCK_D)
+                   BLOCK_M, HEAD_DIM_V, BLOCK_DV)
     o = load_once(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh, m_start, seqlen_q, stride_om,
-                  BLOCK_M, HEAD_DIM, BLOCK_D)
+                  BLOCK_M, HEAD_DIM_V, BLOCK_DV)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
     lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, mask=row_ok,
@@ -284,7 +290,7 @@ def _bwd_dq_kernel(
         k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
                          seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
         v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+                         seqlen_k, stride_vn, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
     else:
         k_src = K
         v_src = V
@@ -313,18 +319,18 @@ def _bwd_dq_kernel(
     if MASK_LEFT or MASK_CHUNK:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, full_lo, seqlen_k, diag,
                            wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
-                           BLOCK_N, BLOCK_D, DESC, True,
+                           BLOCK_N, BLOCK_D, BLOCK_DV, DESC, True,
                            MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
                            DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_lo, full_hi, seqlen_k, diag,
                        wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
-                       BLOCK_N, BLOCK_D, DESC, False,
+                       BLOCK_N, BLOCK_D, BLOCK_DV, DESC, False,
                        MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
                        DOT_PRECISION)
     if full_hi < hi:
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, full_hi, hi, seqlen_k, diag,
                            wl, wr, chunk, qk_scale, softcap2, slope2, seed, stream, bh, threshold, drop_scale,
-                           BLOCK_N, BLOCK_D, DESC, True,
+                           BLOCK_N, BLOCK_D, BLOCK_DV, DESC, True,
                            MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST,
                            DOT_PRECISION)
     store_once(DQ + b64 * stride_dqb + q_start * stride_dqm + h64 * stride_dqh, m_start, seqlen_q, stride_dqm,

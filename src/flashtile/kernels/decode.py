@@ -24,6 +24,7 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
   BLOCK_T    an upper bound on the query tokens one M tile spans (for the key block range).
   BLOCK_D    head dim rounded up to a power of two; columns past HEAD_DIM are masked on load and store (the cache
              cannot be zero-padded, it is the caller's tensor).
+  HEAD_DIM_V, BLOCK_DV   the same for V and O, whose head dim may differ from Q's and K's (MLA).
   acc, m_i, l_i   the online softmax state, as in fwd.py.
   UPCAST     compute on fp32 copies of bf16 tiles: only under the CPU interpreter, which cannot compute on bf16.
   DOT_PRECISION   "ieee" for fp32 inputs (true fp32 products), "tf32" otherwise; from problem.kernel_flags.
@@ -63,12 +64,13 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
                   r_lo, r_hi, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                  PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr,
-                  MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
     for start in tl.range(lo, hi, BLOCK_N):
         r = start + offs_n
         row_ok = (r >= r_lo) & (r < r_hi)  # the sequence's own rows; only MASKED blocks use (and compute) it
@@ -93,8 +95,8 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p, alpha, l_i, m_i = online_softmax_step(s2, 1.0, m_i, l_i, MASKED)
-        v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d, row_ok, d,
-                     MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + dv, row_ok, dv,
+                     MASKED, HEAD_DIM_V, BLOCK_DV)
         if UPCAST:
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -113,8 +115,8 @@ def _decode_kernel(
     seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
     num_splits, num_m_tiles,
     qk_scale, softcap2, wl, wr, chunk,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -178,7 +180,7 @@ def _decode_kernel(
     split_lo = lo + split * blocks_per_split * BLOCK_N
     split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, hi)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # This split's share of: the masked left edge, the mask-free interior, the masked right edge.
@@ -187,28 +189,29 @@ def _decode_kernel(
                                   chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
-                                  MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, True, PAGED, PAGE_TILED,
+                                  MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
-                                  MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, False, PAGED, PAGE_TILED,
+                                  MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, PAGE_TILED, MASK_LEFT, MASK_RIGHT,
-                                  MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, True, PAGED, PAGE_TILED,
+                                  MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + h, mask=row_ok, other=0.0) * LOG2E
         acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.where(split == 0, sink2, float("-inf")))
     # The (o, lse) state of this split, normalised; a split that saw no key writes the empty state.
     out, lse = finalize(acc, l_i, m_i)
-    o_ptrs = O + split * stride_os + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + d
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
+    o_ptrs = O + split * stride_os + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + dv
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv < HEAD_DIM_V))
     tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok)

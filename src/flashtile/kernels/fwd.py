@@ -5,6 +5,8 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits):
   BLOCK_N    key rows per inner-loop step.
   BLOCK_D    head dim rounded up to a power of two (>= 16); tensor descriptors zero-fill columns past HEAD_DIM,
              so padded columns add nothing to either product.
+  HEAD_DIM_V, BLOCK_DV   the same for V and O, whose head dim may differ from Q's and K's (MLA prefill: q/k 192,
+             v 128); HEAD_DIM_V = HEAD_DIM otherwise.
   acc, m_i, l_i   un-normalised output, running row max (log2 units), running row sum: the online softmax state.
   GROUP      query heads per KV head (GQA/MQA); query head h reads KV head h // GROUP.
   UPCAST     cast loaded tiles to fp32: only for bf16 under the CPU interpreter, which cannot compute on bf16.
@@ -72,12 +74,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
                seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                k_start, b, hk, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift, num_pages,
                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, bh, threshold,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               PAGED: tl.constexpr, DESC: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-               MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, PAGED: tl.constexpr, DESC: tl.constexpr,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)[None, :]
+    dv = tl.arange(0, BLOCK_DV)[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         r = start_n + offs_n
         row_ok = r < seqlen_k
@@ -107,8 +111,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
         p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
         if HAS_DROPOUT:
             p = tl.where(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), p, 0.0)
-        v = _load_kv(v_src, k_start, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, d,
-                     PAGED, DESC, MASKED, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v = _load_kv(v_src, k_start, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, dv,
+                     PAGED, DESC, MASKED, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
         if MASKED and DESC == DESC_PACKED:
             v = tl.where(row_ok[:, None], v, 0.0)  # the next sequence's rows: p is 0 there, but 0 * inf is not
         if UPCAST:
@@ -130,11 +134,13 @@ def _attn_fwd_kernel(
     stride_lb: tl.int32, stride_lh: tl.int32, stride_ab: tl.int32, stride_btb: tl.int32,
     seqlen_q: tl.int32, seqlen_k: tl.int32, batch: tl.int32, page_size: tl.int32, page_mul: tl.int64,
     page_shift: tl.int32, num_pages: tl.int32, wl: tl.int32, wr: tl.int32, chunk: tl.int32,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
@@ -154,7 +160,7 @@ def _attn_fwd_kernel(
         q_src = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                          seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
         o_src = row_desc(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
-                         seqlen_q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D)
+                         seqlen_q, stride_om, BLOCK_M, HEAD_DIM_V, BLOCK_DV)
         if PAGED:
             k_src = K + hk64 * stride_kh
             v_src = V + hk64 * stride_vh
@@ -162,14 +168,14 @@ def _attn_fwd_kernel(
             k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
                              seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
             v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
-                             seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+                             seqlen_k, stride_vn, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
     else:
         q_src, k_src, v_src = Q, K, V
         if DESC == DESC_DENSE:
             o_src = O
         else:
-            o_src = row_desc(O + q_start * stride_om + h64 * stride_oh, seqlen_q, stride_om, BLOCK_M, HEAD_DIM,
-                             BLOCK_D)
+            o_src = row_desc(O + q_start * stride_om + h64 * stride_oh, seqlen_q, stride_om, BLOCK_M, HEAD_DIM_V,
+                             BLOCK_DV)
     diag = seqlen_k - seqlen_q
     offs_m = m_start + tl.arange(0, BLOCK_M)
     i = offs_m[:, None]
@@ -183,7 +189,7 @@ def _attn_fwd_kernel(
     q = load_rows(q_src, q_start, m_start, b, h, DESC, BLOCK_M, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
@@ -195,21 +201,24 @@ def _attn_fwd_kernel(
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, True, PAGED, DESC,
+                               MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_lo, full_hi,
                                seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, False, PAGED, DESC, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, False, PAGED, DESC,
+                               MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, full_hi, hi,
                                seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                k_start, b, hk, BLOCK_TABLE, stride_btb,
                                page_size, page_mul, page_shift, num_pages,
                                stride_kb, stride_kn, stride_vb, stride_vn, seed, stream, b * heads + h, threshold,
-                               BLOCK_N, HEAD_DIM, BLOCK_D, True, PAGED, DESC, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                               BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, True, PAGED, DESC,
+                               MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, UPCAST, DOT_PRECISION)
 
     if HAS_SINK:

@@ -88,10 +88,13 @@ def _append_kv_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_btb, stride_cos,
     seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_ROTARY: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr,
 ):
-    """One program per (BLOCK_T new tokens, KV head, sequence): k[b, t] -> cache row cache_seqlens[b] + t."""
+    """One program per (BLOCK_T new tokens, KV head, sequence): k[b, t] -> cache row cache_seqlens[b] + t. v's
+    rows are HEAD_DIM_V wide (MLA); where v_cache is a view of k_cache's first channels (an absorbed MLA cache),
+    its store comes second, so those channels hold v."""
     hk = tl.program_id(1)
     b = tl.program_id(2)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -117,6 +120,8 @@ def _append_kv_kernel(
     k_dst = K_CACHE + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d
     tl.store(k_dst, k.to(K_CACHE.dtype.element_ty), mask=mask)
 
-    v = tl.load(V_NEW + b64 * stride_vnb + t[:, None].to(tl.int64) * stride_vnm + hk * stride_vnh + d, mask=mask)
-    v_dst = V_CACHE + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + d
-    tl.store(v_dst, v.to(V_CACHE.dtype.element_ty), mask=mask)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
+    mask_v = t_ok[:, None] & (dv < HEAD_DIM_V)
+    v = tl.load(V_NEW + b64 * stride_vnb + t[:, None].to(tl.int64) * stride_vnm + hk * stride_vnh + dv, mask=mask_v)
+    v_dst = V_CACHE + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + dv
+    tl.store(v_dst, v.to(V_CACHE.dtype.element_ty), mask=mask_v)

@@ -48,7 +48,7 @@ from .hopper import HOPPER_PATH, TRITON, record
 from .launch import Static, head_dims, keep_scratch, launch, prepare_launch
 
 
-_DQ_BLOCKS = descriptor_blocks({"K": "BLOCK_N", "V": "BLOCK_N"})
+_DQ_BLOCKS = descriptor_blocks({"K": ("BLOCK_N", "BLOCK_D"), "V": ("BLOCK_N", "BLOCK_DV")})
 
 
 def _grad_buffers(q, k, v, packing):
@@ -138,7 +138,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         # (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it walks the
         # schedule (dq_list_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its consumer's
         # rows, and the Gluon dK/dV kernel from a first-first list of the key side (ops/call.py decides which).
-        _, dq_block, dkdv_block = list_blocks(head_dim, fp32, gluon)
+        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, gluon)
         if plan is None or not plan.has(dq_block, 0):
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
                                *plan_lists((dq_block, False), *(((dkdv_block, True),) if p.self_attention else ())))
@@ -153,10 +153,10 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     ready = None if gluon else torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
     # The Triton dQ kernel streams K and V through host descriptors (ops/fwd.py, Note [host descriptors]), built
     # only when it runs; the Triton dK/dV kernel through descriptors it builds per (sequence, head).
-    host = HOST_DESCRIPTORS and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
+    host = HOST_DESCRIPTORS and block_d(p.tile_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
     if host and not gluon:
-        block_n = tile_config("bwd_dq", head_dim, fp32).block_n
+        block_n = tile_config("bwd_dq", p.tile_dim, fp32).block_n
         kd, vd = host_desc(k, block_n), host_desc(v, block_n)
     else:
         kd, vd = k, v
@@ -169,7 +169,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
                              p.seqused_q is not None, p.seqused_k is not None, q.dtype, p.dropout_p,
                              chunk=p.attention_chunk)
         del flags["HAS_SINK"]  # a sink changes only the lse, from which the backward's P comes (sink_gradient)
-        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim), **flags)
+        constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim, p.head_dim_v), **flags)
         if kernel == "bwd_dq":
             constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed, DESC=desc,
                               PUBLISH=not gluon)
@@ -200,12 +200,12 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     # The dK/dV kernel may run beside the dQ kernel (PDL): the dQ kernel's descriptor scratch must outlive both
     # launches (Note [scratch under PDL] in ops/launch.py).
     with keep_scratch():
-        launch(_bwd_dq_kernel, "bwd_dq", head_dim, fp32, key,
+        launch(_bwd_dq_kernel, "bwd_dq", p.tile_dim, fp32, key,
                (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan is None else plan.last_first if listed else plan.schedule, p.rng, *scalars),
                lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS, dropout=p.dropout_p > 0.0)
         record("bwd_dq", TRITON)
-        launch(_bwd_dkdv_kernel, "bwd_dkdv", head_dim, fp32, key,
+        launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
                (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan_k is None else plan_k.schedule, p.rng, *scalars),
                lambda: static("bwd_dkdv"), pdl=pdl, dropout=p.dropout_p > 0.0)

@@ -53,7 +53,8 @@ class OpProblem(NamedTuple):
     seqlen_k: int
     nheads: int
     nheads_kv: int
-    head_dim: int  # padded, as the kernels see it
+    head_dim: int  # q's and k's, padded, as the kernels see it
+    head_dim_v: int  # v's and the output's (MLA prefill: 128 beside q/k's 192), padded
     softmax_scale: float
     window_left: int
     window_right: int
@@ -67,6 +68,11 @@ class OpProblem(NamedTuple):
     bwd_unsupported: Optional[str]
     pdl: bool  # backward: the Triton dK/dV kernel overlaps dQ (Note [delta handoff] in kernels/bwd.py)
     dq_list_block: int  # backward: rows per tile of the list the dQ kernel reads (0: it walks the schedule)
+
+    @property
+    def tile_dim(self) -> int:
+        """The head dim the tile table is read at: the wider of the two (config.py sizes tiles for it)."""
+        return max(self.head_dim, self.head_dim_v)
 
     @property
     def fwd_gluon(self) -> bool:
@@ -98,7 +104,7 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
         k, v = (None if t is None else tma_ready(t) for t in (k, v))
     q, k, v = unpack(tma_ready(q), k, v, packing)
     varlen = cu_seqlens_q is not None
-    nheads, nheads_kv, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    nheads, nheads_kv, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     if varlen:
         batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
         seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
@@ -107,9 +113,10 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         self_attn = False
     seqused = seqused_q is not None or seqused_k is not None
-    fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
-                                         alibi=alibi_slopes is not None, dropout=dropout_p > 0.0,
-                                         sink=learnable_sink is not None, chunk=attention_chunk > 0) \
+    fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged,
+                                         seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
+                                         dropout=dropout_p > 0.0, sink=learnable_sink is not None,
+                                         chunk=attention_chunk > 0) \
         if k.numel() > 0 else "no keys"
     bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
     pdl, dq_list_block = False, 0
@@ -118,10 +125,11 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
         # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
         pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
-            dq_list_block = list_blocks(head_dim, q.dtype == torch.float32, bwd_unsupported is None)[1]
+            dq_list_block = list_blocks(max(head_dim, head_dim_v), q.dtype == torch.float32,
+                                        bwd_unsupported is None)[1]
     return OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                      learnable_sink, rng, dout,
-                     out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
+                     out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v,
                      float(softmax_scale), window_left, window_right, attention_chunk, float(softcap),
                      float(dropout_p), packing,
                      self_attn, fwd_unsupported, bwd_unsupported, pdl, dq_list_block)

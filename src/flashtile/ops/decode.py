@@ -116,8 +116,9 @@ def append_kv(
     rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
 ) -> None:
     """Write k (rotated at positions cache_seqlens[b] + t when rotary_cos is given) and v into the caches at rows
-    [cache_seqlens[b], cache_seqlens[b] + S_new) of sequence b. k, v: (B, S_new, Hk, D)."""
+    [cache_seqlens[b], cache_seqlens[b] + S_new) of sequence b. k: (B, S_new, Hk, D), v: (B, S_new, Hk, D_v)."""
     batch, seqlen_new, nheads_kv, head_dim = k.shape
+    head_dim_v = v.shape[-1]
     if k.numel() == 0:
         return
     stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
@@ -128,7 +129,8 @@ def append_kv(
         *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0) if block_table is not None else 0, stride_cos,
         seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
-        seqlen_ro, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=APPEND_BLOCK_T,
+        seqlen_ro, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=block_d(head_dim_v), BLOCK_T=APPEND_BLOCK_T,
         PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved, **SMALL_KERNEL_OPTS,
     )
@@ -189,17 +191,18 @@ def decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, H, D) over rows [leftpad, cache_seqlens + seqlen_new) of each sequence's cache.
 
-    Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32). num_splits = 0 picks the number of KV splits from shapes.
+    Returns (out (B, Sq, H, D_v), lse (B, H, Sq) fp32), D_v being v_cache's head dim. num_splits = 0 picks the
+    number of KV splits from shapes.
     learnable_sink: fp32 (H,), folded into the first split's state (kernels/decode.py: HAS_SINK).
     """
     batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_kv = k_cache.shape[2]
-    out = q.new_empty(q.shape)
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim_v))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     group = nheads // nheads_kv
-    cfg = decode_config(head_dim)
+    cfg = decode_config(max(head_dim, head_dim_v))
     block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
     if num_splits == 0:
         num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
@@ -207,7 +210,7 @@ def decode(
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
-        o_part = q.new_empty((num_splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32)
+        o_part = q.new_empty((num_splits, batch, seqlen_q, nheads, head_dim_v), dtype=torch.float32)
         lse_part = q.new_empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
@@ -226,7 +229,8 @@ def decode(
         seqlen_ro, num_splits,
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right, attention_chunk,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
         GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
@@ -244,4 +248,5 @@ def _(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_
       rotary_cos, rotary_sin, rotary_interleaved, learnable_sink, seqlen_new, softmax_scale, window_left,
       window_right, attention_chunk, softcap, num_splits):
     batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return (q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3])),
+            q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))

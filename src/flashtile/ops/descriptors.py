@@ -56,15 +56,16 @@ def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
                       block_shape=[1, *box] if len(shape) == 4 else box, padding="zero")
 
 
-def descriptor_blocks(rows: dict):
-    """A launch pre-hook: set the block shape of each host descriptor argument named in `rows` (argument name ->
-    the tile-config constexpr giving its rows), so that the boxes follow the config an autotuner or the table
-    picks: (1, rows, 1, BLOCK_D) over (B, S, H, D), (rows, 1, BLOCK_D) over (total, H, D)."""
+def descriptor_blocks(boxes: dict):
+    """A launch pre-hook: set the block shape of each host descriptor argument named in `boxes` (argument name ->
+    the constexprs giving its rows and its width: the tile config's BLOCK_M or BLOCK_N, and BLOCK_D or BLOCK_DV),
+    so that the boxes follow the config an autotuner or the table picks: (1, rows, 1, width) over (B, S, H, D),
+    (rows, 1, width) over (total, H, D)."""
     def hook(nargs):
-        for name, block in rows.items():
+        for name, (block, width) in boxes.items():
             desc = nargs[name]
             if isinstance(desc, TensorDescriptor):
-                box = [nargs[block], 1, nargs["BLOCK_D"]]
+                box = [nargs[block], 1, nargs[width]]
                 desc.block_shape = [1] + box if len(desc.shape) == 4 else box
     return hook
 

@@ -70,7 +70,8 @@ def dropout_probs(
     launch_direct(dropout_probs_kernel, grid, q, k, lse, s, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, qk_scale, softcap2, dropout_p, *q_strides, *k_strides, *lse_strides, *s.stride()[:3],
                   alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, nheads, nheads // k.shape[-2], window_left,
-                  window_right, attention_chunk, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=_BLOCK, BLOCK_N=_BLOCK,
+                  window_right, attention_chunk, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=_BLOCK,
+                  BLOCK_N=_BLOCK,
                   **{name: flags[name] for name in ("IS_VARLEN", "HAS_SEQUSED_Q", "HAS_SEQUSED_K", "MASK_LEFT",
                                                     "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_ALIBI")})
     return s

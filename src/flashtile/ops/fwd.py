@@ -36,7 +36,8 @@ from .launch import Static, head_dims, launch, prepare_launch
 # (no spill, per tests/sm90_compile.py --ptxas), which is untimed.
 HOST_DESCRIPTORS = True
 HOST_DESCRIPTOR_MAX_D = 128
-_FWD_BLOCKS = descriptor_blocks({"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"})
+_FWD_BLOCKS = descriptor_blocks({"Q": ("BLOCK_M", "BLOCK_D"), "O": ("BLOCK_M", "BLOCK_DV"),
+                                 "K": ("BLOCK_N", "BLOCK_D"), "V": ("BLOCK_N", "BLOCK_DV")})
 
 
 def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -45,6 +46,11 @@ def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
     if softcap > 0.0:
         return softmax_scale / softcap, softcap * log2e
     return softmax_scale * log2e, 0.0
+
+
+def out_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """q's shape with v's head dim (the two differ in MLA prefill)."""
+    return (*q.shape[:-1], v.shape[-1])
 
 
 def lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
@@ -66,6 +72,7 @@ def attention_fwd(
     softcap: float, dropout_p: float, packing: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse). Dense: q (B, Sq, H, D), lse (B, H, Sq). Varlen: q (total_q, H, D), lse (H, total_q).
+    out has q's shape with v's head dim, which may differ from q's and k's.
 
     With block_table (varlen only), k and v are paged caches (num_blocks, page_size, Hk, D) read without TMA, so
     they are neither copied nor aligned here. With dropout_p > 0, rng is the call's seed and stream
@@ -81,9 +88,8 @@ def attention_fwd(
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink,
-            rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap, dropout_p,
-            packing,
-            for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[Plan]]:
+            rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap,
+            dropout_p, packing, for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[Plan]]:
     """attention_fwd's implementation; also returns a varlen call's plan (ops/schedule.varlen_plan, else None). With
     `for_backward` that plan also holds the lists the backward's kernels read where one plan can (self-attention,
     lists of one block: Note [one plan per step] in ops/bwd.py), so that the backward launches none."""
@@ -93,7 +99,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     q, k, v, varlen, paged, gluon = p.q, p.k, p.v, p.varlen, p.paged, p.fwd_gluon
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = (p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv,
                                                               p.head_dim)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if seqused_q is not None:
         # Rows past seqused_q[b] are not computed; give them the values of a row that sees no key.
@@ -105,7 +111,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if varlen:
         # The kernel reads each sequence's lengths, clamped to the bounds its seqlen arguments carry
         # (kernels/seqlen.py: seq_info; ops/call.OpProblem).
-        fwd_block, dq_block, dkdv_block = list_blocks(head_dim, q.dtype == torch.float32, gluon)
+        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon)
         backward = for_backward and p.self_attention
         lists = plan_lists((fwd_block, False), *(((dq_block, False), (dkdv_block, True)) if backward else ()))
         plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,
@@ -126,13 +132,13 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     # faster at S = 1k-4k, the varlen forward 9-11% on 16 sequences of 256-4096 tokens. The backward's dQ kernel
     # streams K and V through the same host descriptors and reads the tiles it holds with pointer loads
     # (kernels/bwd.py: Memory); host descriptors for every tile ran 6-9% slower (the held tiles spilled).
-    host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(head_dim) <= HOST_DESCRIPTOR_MAX_D
+    host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(p.tile_dim) <= HOST_DESCRIPTOR_MAX_D
     # Plain ints: comparing the kernels' tl.constexpr constants costs a microsecond each.
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
     if desc == DESC_ROW.value:
         qd, kd, vd, od = q, k, v, out
     else:
-        cfg = tile_config("fwd", head_dim, q.dtype == torch.float32)
+        cfg = tile_config("fwd", p.tile_dim, q.dtype == torch.float32)
         qd, kd, vd = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n)
         # A packed batch's O is stored through per-sequence descriptors (kernels/fwd.py: DESC).
         od = host_desc(out, cfg.block_m) if desc == DESC_DENSE.value else out
@@ -150,14 +156,14 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
                 alibi_batch_stride(p.alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
                 *fast_divisor(page_size), num_pages, p.window_left, p.window_right, p.attention_chunk)
         constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, STEP=schedule_step(batch, varlen),
-                          **head_dims(head_dim), **flags)
+                          **head_dims(head_dim, p.head_dim_v), **flags)
         return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch, nheads,
                                                                       varlen))
 
-    # `static` reads the problem only (out and lse are fresh allocations whose layout q's shape fixes), so the
+    # `static` reads the problem only (out and lse are fresh allocations whose layout q's and v's shapes fix), so the
     # problem's key is complete (Note [launch cache]).
     prepare_launch(q)
-    launch(_attn_fwd_kernel, "fwd", head_dim, q.dtype == torch.float32, p.key(),
+    launch(_attn_fwd_kernel, "fwd", p.tile_dim, q.dtype == torch.float32, p.key(),
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             None if plan is None else plan.schedule, block_table, p.rng, p.learnable_sink, qk_scale, softcap2,
             p.dropout_p),
@@ -169,6 +175,6 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink, rng,
       max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk, softcap, dropout_p,
       packing):
-    q, _, _ = unpack(q, k, v, packing)
+    q, _, v = unpack(q, k, v, packing)
     varlen = cu_seqlens_q is not None
-    return (q.new_empty(q.shape), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))
+    return (q.new_empty(out_shape(q, v)), q.new_empty(lse_shape(q, varlen), dtype=torch.float32))

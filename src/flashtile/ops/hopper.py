@@ -4,11 +4,11 @@ Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes r
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
 (config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows. Everything else
-(softcap, ALiBi, dropout, learnable sinks, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
-Triton kernels. `hopper_unsupported` is the one decision: the ops ask it on every call, and
-`flashtile.kernel_paths` asks it for a user, with the reason when the answer is no, and the backward follows its
-forward; `last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the
-path off.
+(softcap, ALiBi, dropout, learnable sinks, chunked attention, seqused_q/k, paged K/V, other head dims or dtypes, a v
+head dim other than q's, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one
+decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the
+answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward and
+backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
 The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
@@ -53,11 +53,11 @@ TRITON, HOPPER_PATH = "triton", "gluon-sm90"
 _LAST: dict[str, str] = {}
 
 
-def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
-                       seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
+def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None,
+                       paged: bool = False, seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
                        dropout: bool = False, sink: bool = False, chunk: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
-    `head_dim` is the padded one the kernels see."""
+    `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the padded ones the kernels see."""
     if env.INTERPRET:
         return "the Triton interpreter runs the Triton kernels"
     if not env.hopper():
@@ -69,12 +69,12 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     cap = capability(device)
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
-    return feature_unsupported(dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap, alibi=alibi,
-                               dropout=dropout, sink=sink, chunk=chunk)
+    return feature_unsupported(dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused, softcap=softcap,
+                               alibi=alibi, dropout=dropout, sink=sink, chunk=chunk)
 
 
-def feature_unsupported(dtype: torch.dtype, head_dim: int, *, paged: bool = False, seqused: bool = False,
-                        softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
+def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None, paged: bool = False,
+                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
                         sink: bool = False, chunk: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
@@ -82,6 +82,8 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, paged: bool = Fals
         return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
     if head_dim not in HOPPER["fwd"]:
         return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return f"head_dim_v {head_dim_v} != head_dim {head_dim}: the Gluon kernels take one head dim"
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout"),
                        (sink, "learnable_sink"), (chunk, "attention_chunk")):
@@ -94,16 +96,14 @@ _log = logging.getLogger("flashtile")
 _LOGGED: set[str] = set()
 
 
-def log_fallback(device: torch.device, dtype: torch.dtype, head_dim: int, *, paged: bool = False,
-                 seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-                 sink: bool = False, chunk: bool = False) -> None:
+def log_fallback(device: torch.device, dtype: torch.dtype, head_dim: int, **features) -> None:
     """On an sm_90 device, log once per reason (at DEBUG, logger "flashtile") that a call runs the Triton kernels
-    instead of the Gluon ones, and why. The public API calls it only when that logger takes DEBUG records, so an
-    ordinary call pays one isEnabledFor check; the decision itself stays with ops/call.py."""
+    instead of the Gluon ones, and why (`features`: hopper_unsupported's keywords). The public API calls it only
+    when that logger takes DEBUG records, so an ordinary call pays one isEnabledFor check; the decision itself stays
+    with ops/call.py."""
     if not on_gpu(device) or capability(device) != (9, 0):
         return
-    reason = hopper_unsupported(device, dtype, head_dim, paged=paged, seqused=seqused, softcap=softcap,
-                                alibi=alibi, dropout=dropout, sink=sink, chunk=chunk)
+    reason = hopper_unsupported(device, dtype, head_dim, **features)
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)
         _log.debug("flashtile: sm_90 call runs the Triton kernels, not the Gluon ones: %s", reason)

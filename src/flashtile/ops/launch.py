@@ -191,15 +191,17 @@ def launch_opts(cfg: TileConfig) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def head_dims(head_dim: int) -> dict:
-    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim)}
+def head_dims(head_dim: int, head_dim_v: int) -> dict:
+    """The prefill kernels' head-dim constexprs: Q/K's and V/O's, each with its power-of-two tile width."""
+    return {"HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "HEAD_DIM_V": head_dim_v,
+            "BLOCK_DV": block_d(head_dim_v)}
 
 
 # What a tuned config may depend on: the head dim, the dtype (Triton adds argument dtypes to the key itself) and
 # the flags that change the kernel's code. Sequence lengths are deliberately left out, so one tuning run per
 # problem class serves every length.
-_TUNE_KEY = ["HEAD_DIM", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI",
-             "HAS_DROPOUT", "HAS_SINK", "MASK_CHUNK"]
+_TUNE_KEY = ["HEAD_DIM", "HEAD_DIM_V", "GROUP", "IS_VARLEN", "PAGED", "MASK_LEFT", "MASK_RIGHT", "HAS_SOFTCAP",
+             "HAS_ALIBI", "HAS_DROPOUT", "HAS_SINK", "MASK_CHUNK"]
 
 
 @functools.cache
