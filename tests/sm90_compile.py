@@ -152,6 +152,8 @@ def scenarios():
                 (f"{name} fp32 dense", lambda d=d: dense(d, FP32, h=4, hk=4, backward=d <= 64))]
         if d <= 64:
             out.append((f"{name} fp32 paged", lambda d=d: varlen(d, FP32, backward=False, paged=16, causal=True)))
+        if d == 512:  # the fp32 tiles of the widest head dim must fit shared memory, spills or not
+            out.append((f"{name} fp32 backward", lambda d=d: dense(d, FP32, h=2, hk=2)))
         # Lengths, batches and windows of 1 (Note [runtime integers]), and the shapes that crashed ptxas when Triton
         # specialised them: dense causal 239 x 1; one query over 339 keys, causal and local; a length-1 sequence;
         # one query per sequence, varlen; pages of one row. Their lengths are not multiples of 16: the variants
@@ -197,28 +199,36 @@ def scenarios():
     # Decode: every tile of DECODE_TABLE's (BLOCK_M from one token's GQA group up to the table's), contiguous,
     # paged with pages smaller than a key tile and paged with whole tiles, every flag on; the plain step with one
     # split (output in q's dtype) and several (fp32 partials and combine); fp32; the append kernel's variants.
+    # The 1024-wide tile is DeepSeek's absorbed MLA decode's: q/k 576 over a v_cache view of 512 channels
+    # (whose combine is d512's).
     for d in sorted(DECODE_TABLE):
         cfg = decode_config(d)
+        v_view = 512 if d == 1024 else 0
+        d = 576 if d == 1024 else d
         for page in (None, 1, 256):
             sq = 1
             while True:
                 block_m = packed_tile(4, sq, cfg)[0]
-                out.append((f"decode d{d} page {page} rows {block_m}", lambda d=d, p=page, s=sq: kvcache(
-                    d, BF16, sq=s, page=p, append=1)))
+                out.append((f"decode d{d} page {page} rows {block_m}", lambda d=d, p=page, s=sq, a=v_view: kvcache(
+                    d, BF16, sq=s, page=p, append=1, absorbed=a)))
                 if block_m >= cfg.block_m:
                     break
                 sq *= 8 if sq == 1 else 2
-        out += [(f"decode d{d} plain", lambda d=d: kvcache(d, BF16, features=False, append=0, splits=1)),
-                (f"decode d{d} plain split", lambda d=d: kvcache(d, BF16, features=False, splits=4)),
-                (f"decode d{d} fp32", lambda d=d: kvcache(d, FP32, features=False, splits=4)),
-                (f"combine d{d}", lambda d=d: flashtile.combine(torch.randn(3, 2, 5, 4, d),
-                                                                torch.randn(3, 2, 4, 5), BF16)),
-                (f"combine d{d} many rows", lambda d=d: flashtile.combine(torch.randn(2, 8, 64, 16, d),
-                                                                          torch.randn(2, 8, 16, 64)))]
-    # An absorbed MLA cache at the widest head dims the kernels take (q/k 192 over a 128-wide v view; DeepSeek's
-    # own 576/512 needs head dims past 256): 16 query heads on one latent head, contiguous and paged.
-    out += [(f"decode d192 v128 absorbed page {page}", lambda p=page: kvcache(
-        192, BF16, h=16, hk=1, page=p, features=False, splits=0, absorbed=128)) for page in (None, 64)]
+        out += [(f"decode d{d} plain", lambda d=d, a=v_view: kvcache(d, BF16, features=False, append=0, splits=1,
+                                                                      absorbed=a)),
+                (f"decode d{d} plain split", lambda d=d, a=v_view: kvcache(d, BF16, features=False, splits=4,
+                                                                            absorbed=a)),
+                (f"decode d{d} fp32", lambda d=d, a=v_view: kvcache(d, FP32, features=False, splits=4, absorbed=a))]
+        if not v_view:
+            out += [(f"combine d{d}", lambda d=d: flashtile.combine(torch.randn(3, 2, 5, 4, d),
+                                                                    torch.randn(3, 2, 4, 5), BF16)),
+                    (f"combine d{d} many rows", lambda d=d: flashtile.combine(torch.randn(2, 8, 64, 16, d),
+                                                                              torch.randn(2, 8, 16, 64)))]
+    # Absorbed MLA caches with every query head on one latent head (DeepSeek: 16-128 heads), contiguous and paged:
+    # DeepSeek's own 576/512, and q/k 192 over a 128-wide view.
+    out += [(f"decode d{d} v{dv} absorbed h{h} page {page}", lambda d=d, dv=dv, h=h, p=page: kvcache(
+        d, BF16, h=h, hk=1, page=p, features=False, splits=0, absorbed=dv))
+        for d, dv, h in ((576, 512, 128), (192, 128, 16)) for page in (None, 64)]
     return out
 
 

@@ -56,7 +56,7 @@ def test_bad_arguments(device, kwargs, exc, match):
 
 
 def test_head_dim_too_large(device):
-    q = torch.randn(1, 4, 1, 264, device=device, dtype=torch.float16)
+    q = torch.randn(1, 4, 1, 520, device=device, dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim"):
         flashtile.flash_attn_func(q, q, q)
 

@@ -76,7 +76,7 @@ CATALOGUE = {
     "dense k/v shapes": (dense(v=_t(2, 10, 2, 32)), ValueError, "k and v must have the same shape"),
     "dense batch": (dense(k=_t(1, 11, 2, 32), v=_t(1, 11, 2, 32)), ValueError, "batch sizes differ"),
     "dense head dims": (dense(k=_t(2, 11, 2, 16), v=_t(2, 11, 2, 16)), ValueError, "same head_dim"),
-    "dense head dim too large": (dense(q=_t(1, 4, 1, 264), k=_t(1, 4, 1, 264), v=_t(1, 4, 1, 264)), ValueError,
+    "dense head dim too large": (dense(q=_t(1, 4, 1, 520), k=_t(1, 4, 1, 520), v=_t(1, 4, 1, 520)), ValueError,
                                  "head_dim must be in"),
     "dense head counts": (dense(q=_t(2, 9, 3, 32)), ValueError, "multiple of the number of key/value heads"),
     "dense empty q": (dense(q=_t(2, 0, 4, 32)), ValueError, "seqlen_q and seqlen_k must be >= 1"),

@@ -37,6 +37,9 @@ _SMALL_D = "d64's measured config, reused for small head dims (not measured sepa
 _DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bundled with Triton 3.6 crashes "
                "(SIGSEGV) on the causal d32 dQ kernel (H200 GPU tier, 2026-11-29; tests/sm90_compile.py)")
 
+_D512 = ("d512 (Gemma 4): a tile that fits sm_90's shared memory without spilling much (tests/sm90_compile.py; "
+         "the backward's 32-row tiles run mma.sync, not wgmma), not timed")
+_MLA = "q/k 576, v 512: a tile that fits sm_90's shared memory (tests/sm90_compile.py), not timed"
 # kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
 TABLE: dict[str, dict[int, TileConfig]] = {
     "fwd": {
@@ -45,6 +48,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(64, 64, 4, 3, _FWD_D64_S4),
         128: TileConfig(64, 64, 4, 3, _H200),
         256: TileConfig(64, 64, 4, 3, _H200),
+        512: TileConfig(64, 32, 8, 2, _D512),
     },
     "bwd_dkdv": {
         16: TileConfig(32, 128, 4, 3, _SMALL_D),
@@ -52,6 +56,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(32, 128, 4, 3, _H200),
         128: TileConfig(64, 64, 4, 2, _H200),
         256: TileConfig(32, 64, 8, 2, _H200),
+        512: TileConfig(32, 32, 8, 1, _D512),
     },
     "bwd_dq": {
         16: TileConfig(64, 64, 4, 3, _DQ_SMALL_D),
@@ -59,6 +64,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(64, 64, 4, 2, _H200),
         128: TileConfig(128, 64, 8, 3, _H200_S4),
         256: TileConfig(64, 64, 4, 2, _H200),
+        512: TileConfig(32, 32, 8, 1, _D512),
     },
 }
 
@@ -68,9 +74,10 @@ _FP32 = ("fp32 inputs (true fp32 dots, problem.kernel_flags): the fp16 row's til
 # kernel -> padded head dim -> config for fp32 inputs where the table's does not fit (tests/sm90_compile.py builds
 # every table entry at fp32 too).
 FP32: dict[str, dict[int, TileConfig]] = {
-    "fwd": {256: TileConfig(64, 32, 4, 2, _FP32)},
-    "bwd_dkdv": {256: TileConfig(32, 32, 4, 2, _FP32)},
-    "bwd_dq": {128: TileConfig(64, 64, 4, 2, _FP32), 256: TileConfig(32, 32, 4, 2, _FP32)},
+    "fwd": {256: TileConfig(64, 32, 4, 2, _FP32), 512: TileConfig(32, 32, 8, 1, _FP32)},
+    "bwd_dkdv": {256: TileConfig(32, 32, 4, 2, _FP32), 512: TileConfig(16, 32, 8, 1, _FP32)},
+    "bwd_dq": {128: TileConfig(64, 64, 4, 2, _FP32), 256: TileConfig(32, 32, 4, 2, _FP32),
+               512: TileConfig(32, 16, 8, 1, _FP32)},
 }
 _DROPOUT = ("the table's tile with one stage less: dropout's mask changes layout through 4 KiB of shared memory "
             "(kernels/dropout.keep_mask), which the 3-stage ring leaves no room for (234496 > 232448 bytes, "
@@ -177,9 +184,21 @@ DECODE_TABLE: dict[int, TileConfig] = {
     64: TileConfig(64, 64, 4, 3, _SCALED),
     128: TileConfig(64, 32, 4, 3, _TUNED),
     256: TileConfig(32, 32, 8, 3, _GUESS),
+    512: TileConfig(32, 32, 8, 2, _D512),
+    # DeepSeek's absorbed MLA decode: q/k 576 (512 latent + 64 rope channels) in a 1024-wide tile, v 512.
+    1024: TileConfig(32, 32, 8, 2, _MLA),
+}
+# fp32 caches where the table's 4-byte K/V stages would not fit shared memory.
+DECODE_FP32: dict[int, TileConfig] = {
+    512: TileConfig(32, 16, 8, 2, _FP32),
+    1024: TileConfig(32, 16, 8, 2, _FP32),
 }
 DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
 
 
-def decode_config(head_dim: int) -> TileConfig:
-    return DECODE_INTERPRETER if env.INTERPRET else DECODE_TABLE[block_d(head_dim)]
+def decode_config(head_dim: int, fp32: bool = False) -> TileConfig:
+    """The decode tile at this head dim (the wider of q/k's and v's), for fp32 caches if `fp32`."""
+    if env.INTERPRET:
+        return DECODE_INTERPRETER
+    d = block_d(head_dim)
+    return DECODE_FP32[d] if fp32 and d in DECODE_FP32 else DECODE_TABLE[d]

@@ -73,7 +73,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             128), as in FlashAttention-3.
             nheads must be a multiple of nheads_k (MQA/GQA): query head h uses key/value head h // (nheads /
             nheads_k). fp16, bf16 or fp32; unit stride in the last dimension, any other strides. headdim and
-            headdim_v <= 256 (multiples of 8 run natively, others are zero-padded).
+            headdim_v <= 512 (multiples of 8 run natively, others are zero-padded).
         dropout_p: dropout probability in [0, 1) (training): out = (dropout(P) / (1 - dropout_p)) v with P the
             softmax, as flash-attn 2. The mask is drawn in the kernels from the generator of q's device (each call
             advances it; `torch.manual_seed` reproduces a run), and the backward regenerates it. Pass 0.0 in
@@ -195,7 +195,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             headdim) with any page_block_size >= 1.
         v: k's shape but for the last dimension, headdim_v (as `flash_attn_func`).
             nheads must be a multiple of nheads_k (MQA/GQA). fp16, bf16 or fp32, unit stride in the last dimension;
-            headdim and headdim_v <= 256.
+            headdim and headdim_v <= 512.
         cu_seqlens_q: (batch_size + 1,), int32, the cumulative sequence lengths of q: starts at 0, non-decreasing,
             ends at total_q. Zero-length sequences are allowed.
         cu_seqlens_k: (batch_size + 1,), int32, the same for k and v (ends at total_k). With block_table it gives

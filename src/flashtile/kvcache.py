@@ -66,8 +66,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q: (batch_size, seqlen_q, nheads, headdim). fp16, bf16 or fp32; unit stride in the last dimension.
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) without block_table, or
             (num_blocks, page_block_size, nheads_k, headdim) with block_table (a paged cache). Any
-            page_block_size >= 1. Same dtype as q; unit stride in the last dimension. headdim <= 256.
-        v_cache: k_cache's shape but for the last dimension, headdim_v <= 256, which may differ from headdim (MLA).
+            page_block_size >= 1. Same dtype as q; unit stride in the last dimension. headdim <= 576 (DeepSeek's
+            absorbed MLA cache: 512 latent + 64 rope channels).
+        v_cache: k_cache's shape but for the last dimension, headdim_v <= 512, which may differ from headdim (MLA).
             v_cache may be a view of k_cache (an absorbed MLA cache: v_cache = k_cache[..., :headdim_v], one
             storage); appended v is then written over k's first channels, after k.
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim), new keys to append. Needs v and cache_seqlens.

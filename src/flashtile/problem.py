@@ -29,7 +29,10 @@ import torch
 from . import env
 from .ops.device import graph_capturing
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+# flash_attn_with_kvcache's q/k may be wider: DeepSeek's absorbed MLA decode has 576 (512 latent + 64 rope channels)
+# over v 512, a view of the same cache.
+MAX_DECODE_HEAD_DIM = 576
 # CUDA's limit on a grid's y and z dimensions, where the dense kernels put the heads and the batch (a varlen batch's
 # grid folds its tile list past it: ops/schedule.tile_grid).
 MAX_GRID_YZ = 65535
@@ -261,12 +264,14 @@ def check_kv_shapes(k, v, names=("k", "v")) -> None:
                          f"got {names[0]} {tuple(k.shape)} and {names[1]} {tuple(v.shape)}")
 
 
-def check_head_dims(head_dim: int, head_dim_k: int, head_dim_v: int, names=("q", "k", "v")) -> None:
-    """q and k share a head dim; v's may differ (head_dim_v, as FlashAttention-3 allows); each in [1, MAX]."""
+def check_head_dims(head_dim: int, head_dim_k: int, head_dim_v: int, names=("q", "k", "v"),
+                    max_head_dim: int = MAX_HEAD_DIM) -> None:
+    """q and k share a head dim, at most max_head_dim; v's may differ (head_dim_v, as FlashAttention-3 allows),
+    at most MAX_HEAD_DIM."""
     if head_dim_k != head_dim:
         raise ValueError(f"{names[0]} and {names[1]} must have the same head_dim, got {head_dim} and {head_dim_k}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if not 1 <= head_dim <= max_head_dim:
+        raise ValueError(f"head_dim must be in [1, {max_head_dim}], got {head_dim}")
     if not 1 <= head_dim_v <= MAX_HEAD_DIM:
         raise ValueError(f"{names[2]}'s head dim (head_dim_v) must be in [1, {MAX_HEAD_DIM}], got {head_dim_v}")
 
@@ -447,7 +452,7 @@ def kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     check_kv_shapes(k_cache, v_cache, ("k_cache", "v_cache"))
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    check_head_dims(head_dim, k_cache.shape[3], head_dim_v, ("q", "k_cache", "v_cache"))
+    check_head_dims(head_dim, k_cache.shape[3], head_dim_v, ("q", "k_cache", "v_cache"), MAX_DECODE_HEAD_DIM)
     if seqlen_q < 1:
         raise ValueError(f"q must have at least one token (seqlen_q >= 1), got shape {tuple(q.shape)}")
     check_grid_limits(batch, nheads)

@@ -58,7 +58,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Arguments:
         query: (..., nheads, seqlen_q, headdim); any number of leading batch dimensions (at least 3 dimensions
             in all: a 3-dimensional query is (nheads, seqlen_q, headdim)). fp16, bf16 or fp32, unit stride in
-            the last dimension; headdim <= 256.
+            the last dimension; headdim <= 512.
         key: (..., nheads_k, seqlen_k, headdim), the same leading dimensions (no broadcasting).
         value: (..., nheads_k, seqlen_k, headdim_v). headdim_v may differ from headdim (flash_attn_func's
             head_dim_v).
