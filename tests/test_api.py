@@ -267,6 +267,29 @@ def test_opcheck(device):
                                                             "test_autograd_registration"))
 
 
+def test_backward_op_takes_a_strided_lse(device):
+    """flashtile::bwd with lse a view into a wider buffer (ring attention's half sequence; an aten op's lse): the
+    kernels write delta with lse's strides into a buffer shaped like it, so a view is made dense first
+    (ops/call.py; before, the writes ran past that buffer). The gradients equal those of a dense lse, and the
+    buffer the view lies in is not written."""
+    from flashtile.ops.bwd import attention_bwd
+    q, k, v = qkv(device, sq=17, sk=23)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    n = lse.shape[-1]
+    wide = torch.full((*lse.shape[:-1], 3 * n), float("nan"), device=device)
+    wide[..., n:2 * n] = lse
+    before = wide.clone()
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device, out.dtype)
+
+    def backward(lse):
+        return attention_bwd(*op_args(attention_bwd, dout=dout, q=q, k=k, v=v, out=out, lse=lse, max_seqlen_q=17,
+                                      max_seqlen_k=23, softmax_scale=0.25, window_right=0))
+
+    for got, want in zip(backward(wide[..., n:2 * n]), backward(lse)):
+        assert torch.equal(got, want)
+    assert torch.equal(wide.isnan(), before.isnan()) and torch.equal(wide.nan_to_num(), before.nan_to_num())
+
+
 def test_autotune_flag_under_the_interpreter(device, monkeypatch):
     """FLASHTILE_AUTOTUNE=1 tunes only on a GPU (ops/launch.launch): under the interpreter the autotuner is never
     built, and the table's tiles give the same bits as without the flag."""

@@ -118,7 +118,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     p = op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, None, learnable_sink,
                    rng, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, attention_chunk,
                    softcap, dropout_p, packing, dout, out, lse)
-    q, k, v, dout, out, varlen = p.q, p.k, p.v, p.dout, p.out, p.varlen
+    q, k, v, dout, out, lse, varlen = p.q, p.k, p.v, p.dout, p.out, p.lse, p.varlen
     if seqused_q is not None:
         dq.zero_()  # rows past seqused_q[b] are ignored by the forward; their gradient is 0
     if seqused_k is not None:

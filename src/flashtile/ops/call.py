@@ -122,6 +122,9 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
     pdl, dq_list_block = False, 0
     if dout is not None:
         dout, out = tma_ready(dout), tma_ready(out)
+        # The kernels write delta with lse's strides into a buffer shaped like it: a view of a wider lse (a ring's
+        # half sequence, an aten op's) must be made dense first.
+        lse = lse.contiguous()
         # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
         pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
