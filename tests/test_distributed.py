@@ -3,6 +3,7 @@ the interpreter), NCCL on a machine with several GPUs. Each rank runs its shard 
 gathered output and gradients are checked against the fp64 reference of the whole sequence (2x / 3x rule), for
 contiguous and zigzag layouts, causal or not, GQA, 2 and 3 ranks; a second run must give the same bits."""
 
+import datetime
 import os
 import socket
 
@@ -31,18 +32,19 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, backend, case, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # A send without its receive must fail the test in minutes, not hang it until pytest's timeout.
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
         if backend == "nccl":
             torch.cuda.set_device(rank)
         q, k, v, dout = _inputs(**case["shape"])
-        zigzag, causal = case["zigzag"], case["causal"]
+        zigzag, causal, window = case["zigzag"], case["causal"], case.get("window", (-1, -1))
         results = []
         for _ in range(2):  # twice: the result must be reproducible
             local = [shard(t, rank, world, zigzag).to(device).requires_grad_(t is not dout)
                      for t in (q, k, v, dout)]
-            out = ring_flash_attn_func(*local[:3], causal=causal, zigzag=zigzag)
+            out = ring_flash_attn_func(*local[:3], causal=causal, window_size=window, zigzag=zigzag)
             grads = torch.autograd.grad(out, local[:3], local[3])
             results.append([t.detach().cpu() for t in (out, *grads)])
         torch.save(results, os.path.join(path, f"rank{rank}.pt"))
@@ -61,12 +63,12 @@ def _run(world, backend, case, tmp_path):
 
 def _check(case, gathered):
     q, k, v, dout = _inputs(**case["shape"])
-    causal = case["causal"]
+    kw = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)))
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref, _, probs = attention_ref(*ref_in, causal=causal, return_probs=True)
+    ref, _, probs = attention_ref(*ref_in, return_probs=True, **kw)
     ref_grads = torch.autograd.grad(ref, ref_in, dout)
     pt_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    pt, _ = attention_ref(*pt_in, causal=causal, upcast=False)
+    pt, _ = attention_ref(*pt_in, upcast=False, **kw)
     pt_grads = torch.autograd.grad(pt, pt_in, dout)
     floors = accumulation_floor(q, k, v, dout, ref, probs)
     check_close("out", gathered[0], ref, pt, 2, floor=floors["out"])
@@ -79,6 +81,11 @@ CASES = {
     "causal zigzag": dict(causal=True, zigzag=True),
     "causal contiguous": dict(causal=True, zigzag=False),
     "full": dict(causal=False, zigzag=False),
+    # Shards of 12 tokens: a causal window inside one block back (the ring stops after two steps), one reaching two
+    # blocks back, and a two-sided window that needs blocks from both neighbours.
+    "causal window 5": dict(causal=True, zigzag=False, window=(5, 0)),
+    "causal window 15": dict(causal=True, zigzag=False, window=(15, -1)),
+    "window 4,3": dict(causal=False, zigzag=False, window=(4, 3)),
 }
 
 
@@ -109,7 +116,29 @@ def test_layouts_round_trip():
     assert [int(t) // 3 for t in shard(x, 0, 3, True)[0, :, 0]] == [0, 1, 2, 3, 20, 21, 22, 23]
 
 
-def test_window_refused():
+def test_zigzag_window_refused():
     q = torch.zeros(1, 4, 2, 16)
-    with pytest.raises(NotImplementedError, match="window_size"):
-        ring_flash_attn_func(q, q, q, window_size=(2, 0))
+    with pytest.raises(NotImplementedError, match="window_size with zigzag=True"):
+        ring_flash_attn_func(q, q, q, causal=True, window_size=(2, 0), zigzag=True)
+
+
+def test_visible_block_is_the_mask():
+    """Note [ring block masks]: for every small block and band lo <= j - i <= hi, the slices and bottom-right
+    window _visible_block gives select exactly the visible pairs."""
+    import itertools
+    from flashtile.distributed import _visible_block
+    for sq, sk in itertools.product(range(1, 7), repeat=2):
+        for lo, hi in itertools.product([None, *range(-8, 9)], repeat=2):
+            if lo is not None and hi is not None and lo > hi:
+                continue
+            want = {(i, j) for i in range(sq) for j in range(sk)
+                    if (lo is None or j - i >= lo) and (hi is None or j - i <= hi)}
+            block = _visible_block(lo, hi, sq, sk)
+            got = set()
+            if block is not None:
+                rows, keys, (left, right) = block
+                n, m = rows.stop - rows.start, keys.stop - keys.start
+                assert left >= -1 and right >= -1
+                got = {(i + rows.start, j + keys.start) for i in range(n) for j in range(m)
+                       if (left < 0 or j >= i + m - n - left) and (right < 0 or j <= i + m - n + right)}
+            assert got == want, (sq, sk, lo, hi, block)
