@@ -116,6 +116,28 @@ def test_varlen_one_query_per_sequence_repeated(device):
         assert torch.equal(flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 239, causal=True), first)
 
 
+@pytest.mark.parametrize("lens_k", [[129], [150], [192], [140, 170, 131, 190]], ids=str)
+def test_forward_half_last_block_after_no_middle_block(device, lens_k):
+    """The Gluon forward's consumer runs its first block before a loop over the middle ones and, for an item of two
+    key blocks whose last one it sees at most half of (Note [half last block]), a half step after that loop runs
+    zero times: the shape of the zero-trip loop before wgmma that left ptxas's descriptors undefined in dK/dV (Note
+    [one loop per consumer] in kernels/hopper_bwd.py). Keys in (128, 192], one and 22 queries per sequence, dense
+    and varlen, causal: against the oracle, then 200 reruns bitwise."""
+    for lens_q in ([1] * len(lens_k), [22] * len(lens_k)):
+        for seed in range(5):
+            run_varlen(device, lens_q, lens_k, 4, 4, 128, torch.bfloat16, causal=True, seed=seed)
+    if len(lens_k) == 1:
+        run_case(device, 2, lens_k[0], lens_k[0], 4, 4, 128, torch.bfloat16, causal=True)
+    cu_q = torch.arange(len(lens_k) + 1, dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(len(lens_k), 4, 128, device=device, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(int(cu_k[-1]), 4, 128, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    first = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max(lens_k), causal=True)
+    for _ in range(200):
+        assert torch.equal(flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max(lens_k), causal=True), first)
+
+
 FEWER_QUERIES = [([1], [484]), ([64], [484]), ([200], [484]), ([3, 2, 1, 1, 3], [437, 380, 97, 559, 425])]
 
 

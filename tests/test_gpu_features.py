@@ -1,0 +1,92 @@
+"""GPU tier, real sizes, for the features the Triton kernels gained after the matrix (tests/test_gpu_matrix.py):
+learnable sinks, chunked attention, v head dims other than q's (MLA prefill 192/128), head dim 512, DeepSeek's
+absorbed MLA decode (576/512) and dropout, forward and backward against the fp64 reference (2x / 3x rule). The
+CPU tier runs the same code on tiny shapes (tests/test_sinks.py, test_chunked.py, test_head_dim_v.py,
+test_head_dim_512.py, test_dropout.py); these are the sizes whose tiles and pipelines only a GPU runs."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.testing import attention_ref, check_attention, check_close, nan_guarded
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(device, seqlen, nheads, nheads_kv, head_dim, head_dim_v=None, dtype=torch.bfloat16, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    q = nan_guarded((1, seqlen, nheads, head_dim), dtype, device, g)
+    k = nan_guarded((1, seqlen, nheads_kv, head_dim), dtype, device, g)
+    v = nan_guarded((1, seqlen, nheads_kv, head_dim_v or head_dim), dtype, device, g)
+    dout = torch.randn(1, seqlen, nheads, head_dim_v or head_dim, generator=g).to(device, dtype)
+    check_attention(q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_sinks(device, mask, head_dim):
+    """gpt-oss: causal layers and 128-token sliding ones, each with a sink per head; GQA 8/2."""
+    kw = dict(causal=True) if mask == "causal" else dict(causal=True, window_size=(127, 0))
+    # check_attention differentiates q, k and v; the sink's gradient is covered on the CPU tier.
+    _case(device, 1500, 8, 2, head_dim, learnable_sink=torch.randn(8, device=device), **kw)
+
+
+@pytest.mark.parametrize("chunk", [192, 1000])
+def test_chunked(device, chunk):
+    _case(device, 2100, 4, 2, 128, causal=True, attention_chunk=chunk)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (128, 64), (64, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_head_dim_v(device, dims):
+    _case(device, 1100, 4, 2, dims[0], dims[1], causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [512, 448])
+def test_head_dim_512(device, head_dim):
+    _case(device, 900, 2, 1, head_dim, causal=True)
+
+
+def test_absorbed_mla_decode(device):
+    """DeepSeek-V3's decode step: 128 query heads on one 576-wide latent head, v_cache its first 512 channels,
+    4k-token paged caches (64-token pages), one token appended."""
+    batch, cap, h, page = 4, 4096, 128, 64
+    g = torch.Generator().manual_seed(1)
+    latent = torch.randn(batch, cap, 1, 576, generator=g).to(device, torch.bfloat16)
+    q = torch.randn(batch, 1, h, 576, generator=g).to(device, torch.bfloat16)
+    new = torch.randn(batch, 1, 1, 576, generator=g).to(device, torch.bfloat16)
+    seqlens = torch.tensor([4000, 17, 2048, 3000], dtype=torch.int32, device=device)
+    cache = latent.reshape(-1, page, 1, 576).clone()
+    table = torch.arange(batch * cap // page, dtype=torch.int32, device=device).reshape(batch, -1)
+    scale = 192 ** -0.5
+    out = flashtile.flash_attn_with_kvcache(q, cache, cache[..., :512], new, new[..., :512], cache_seqlens=seqlens,
+                                            block_table=table, softmax_scale=scale)
+    for b in range(batch):
+        s = int(seqlens[b])
+        keys = torch.cat([latent[b:b + 1, :s], new[b:b + 1]], 1)
+        ref, _ = attention_ref(q[b:b + 1].double(), keys.double(), keys[..., :512].double(), softmax_scale=scale)
+        base, _ = attention_ref(q[b:b + 1], keys, keys[..., :512], softmax_scale=scale, upcast=False)
+        check_close(f"out[{b}]", out[b:b + 1], ref, base, 2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout(device, head_dim):
+    """Against the reference that applies the mask S_dmask returns; causal, GQA, 1k tokens."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 1000, 4, head_dim, generator=g).to(device, torch.bfloat16)
+    k, v = (torch.randn(1, 1000, 2, head_dim, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    dout = torch.randn(1, 1000, 4, head_dim, generator=g).to(device, torch.bfloat16)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    out, _, s_dmask = flashtile.flash_attn_func(*inputs, dropout_p=0.1, causal=True, return_attn_probs=True)
+    grads = torch.autograd.grad(out, inputs, dout)
+    keep = s_dmask[..., :1000, :1000] >= 0
+    kw = dict(causal=True, dropout_p=0.1, dropout_mask=keep)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_ref(*ref_in, **kw)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout)
+    pt_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    pt, _ = attention_ref(*pt_in, upcast=False, **kw)
+    pt_grads = torch.autograd.grad(pt, pt_in, dout)
+    check_close("out", out, ref, pt, 2)
+    for name, ours, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        check_close(name, ours, r, p, 3, r.abs().max().item())
