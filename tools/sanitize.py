@@ -6,8 +6,9 @@
 Covers the Triton and the Gluon (sm_90) kernels: dense forward+backward at head dims 64 (Triton), 128 (Gluon) and
 256 (Triton, whose backward's dK/dV kernel runs beside dQ through PDL), causal and windowed; varlen forward+backward
 through the persistent Gluon kernels (one query per sequence among them) and the Triton ones; paged varlen;
-KV-cache decode with append, rotary and pages; combine. --small halves the shapes (racecheck is slow); --only
-runs some of the sections (dense, varlen, paged, kvcache, combine) and --head-dims some of the dense and varlen
+KV-cache decode with append, rotary and pages; combine; the Triton-only features (dropout, learnable sinks, chunked
+attention, head_dim_v 192/128, head dim 512, DeepSeek's absorbed 576/512 decode). --small halves the shapes (racecheck is slow); --only
+runs some of the sections (dense, varlen, paged, kvcache, combine, features) and --head-dims some of the dense and varlen
 head dims, and --forward runs no backward, so that a sanitizer's report can be narrowed to one kernel. Prints one
 line per call; the sanitizer's own report says what it found.
 """
@@ -20,7 +21,7 @@ import torch
 import flashtile
 
 
-SECTIONS = ["dense", "varlen", "paged", "kvcache", "combine"]
+SECTIONS = ["dense", "varlen", "paged", "kvcache", "combine", "features"]
 
 
 def _cu(lengths):
@@ -80,6 +81,25 @@ def main(argv=None) -> int:
     if "combine" in only:
         flashtile.combine(torch.randn(3, 2, 5, 4, 64, device="cuda"), torch.randn(3, 2, 4, 5, device="cuda"))
         print("combine", flush=True)
+    features = (("dropout", 64, 64, dict(dropout_p=0.1, causal=True)),
+                ("sinks", 128, 128, dict(learnable_sink=torch.randn(4, device="cuda", generator=g), causal=True)),
+                ("chunk", 128, 128, dict(attention_chunk=96, causal=True)),
+                ("head_dim_v", 192, 128, dict(causal=True)),
+                ("d512", 512, 512, dict(window_size=(70, 3)))) if "features" in only else ()
+    for name, d, dv, kw in features:
+        q, k, v = randn(2, s, 4, d, grad=True), randn(2, s + 17, 2, d, grad=True), randn(2, s + 17, 2, dv, grad=True)
+        out = flashtile.flash_attn_func(q, k, v, **kw)
+        if not args.forward:
+            out.float().sum().backward()
+        print(f"{name} d{d}/{dv}: {flashtile.last_kernel_paths()}", flush=True)
+    if "features" in only:
+        latent = randn(12, 64, 1, 576)
+        new = randn(3, 1, 1, 576)
+        flashtile.flash_attn_with_kvcache(randn(3, 1, 16, 576), latent, latent[..., :512], new, new[..., :512],
+                                          cache_seqlens=torch.tensor([100, 0, 253], dtype=torch.int32,
+                                                                     device="cuda"),
+                                          block_table=table, num_splits=3)
+        print("absorbed MLA decode 576/512", flush=True)
     torch.cuda.synchronize()
     print("done", flush=True)
     return 0
