@@ -185,10 +185,22 @@ def test_vmap_takes_the_custom_op_route(device):
         assert torch.equal(out[i], flashtile.flash_attn_func(qs[i], k, v))
 
 
-def test_tensor_subclasses_take_the_custom_op_route():
+def test_the_interpreter_problem_is_named():
+    from flashtile.ops.device import interpreter_problem
+    assert "numpy<2.4" in interpreter_problem("3.6.0", "2.4.1")
+    assert "numpy<2.4" in interpreter_problem("3.5.1+git1234", "2.5.0rc1")
+    assert interpreter_problem("3.6.0", "2.3.5") is None and interpreter_problem("3.7.0", "2.4.1") is None
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["interpreter", "no interpreter"])
+def test_tensor_subclasses_take_the_custom_op_route(monkeypatch, interpret):
+    """FakeTensors run the ops' fakes, with or without the interpreter (a GPU machine tracing with CPU example
+    inputs); a real CPU tensor without the interpreter gets the error that says how to run it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from flashtile import env
     from flashtile.ops.common import untraced
+    monkeypatch.setattr(env, "INTERPRET", interpret)
     q = torch.randn(1, 8, 2, 16)
     assert untraced((q, None, 3)) and untraced((torch.nn.Parameter(q),))
     with FakeTensorMode() as mode:
@@ -196,6 +208,9 @@ def test_tensor_subclasses_take_the_custom_op_route():
         assert not untraced((fake, None))
         out = flashtile.flash_attn_func(fake, fake, fake)  # the op's fake runs: no kernel, no error
     assert out.shape == q.shape
+    if not interpret:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            flashtile.flash_attn_func(q, q, q)
 
 
 def test_fully_masked_rows_are_zero_without_nan(device):

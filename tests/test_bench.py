@@ -69,6 +69,7 @@ def test_mixed_decode_counts_each_cache_length():
     assert "kv7-50 (77 tok)" in case.label()
 
 
+@pytest.mark.interpreter
 def test_mixed_decode_inputs_refcheck_and_backends():
     """Each sequence's cache length reaches the kernel, rows past it are NaN (a read past it fails --refcheck),
     the reference uses each length, and SDPA, which cannot take per-sequence lengths, says so."""
@@ -172,6 +173,7 @@ def test_failing_backends_become_rows_not_crashes():
 
 @pytest.mark.parametrize("mode, expected", [("fwd", "fwd=triton"),
                                             ("fwdbwd", "fwd=triton bwd_dq=triton bwd_dkdv=triton")])
+@pytest.mark.interpreter
 def test_flashtile_rows_say_which_kernels_ran(mode, expected):
     """The interpreter runs the Triton kernels; on an H200 the same field says gluon-sm90 where the fast path ran."""
     rows = bench_run.run([_cpu_case(mode, seqlen_q=8, seqlen_k=8)], [BACKENDS["flashtile"], BACKENDS["sdpa-math"]],
@@ -284,6 +286,7 @@ def test_cpu_presets_are_small():
     assert max(c.seqlen_k for c in cases) <= 256 and max(c.nheads * c.batch for c in cases) <= 8
 
 
+@pytest.mark.interpreter
 def test_varlen_backward_feeds_each_backend_the_same_dout():
     """Both backends' dq from their own layouts of one dout: the same gradient, so the same timed work."""
     case = _cpu_case("varlenbwd", seqlens=(5, 19), batch=2, nheads=2, nheads_kv=2, causal=False)
@@ -325,6 +328,7 @@ def test_speeds_get_readable_units():
     assert _scaled(6e-7, "B/s") == "600 kB/s"
 
 
+@pytest.mark.interpreter
 def test_sdpa_math_runs_causal_varlen():
     """The math backend's nested-tensor path has no causal mask; the bench runs it a sequence at a time."""
     case = _cpu_case("varlen", seqlens=(5, 19), batch=2, nheads=4, nheads_kv=2, causal=True)

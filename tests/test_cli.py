@@ -82,6 +82,7 @@ def test_interpreter_switch(monkeypatch):
         cli._interpret(["bench"])
 
 
+@pytest.mark.interpreter
 def test_the_script_restarts_itself_into_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
@@ -102,6 +103,7 @@ def test_list_backends(capsys):
     assert "flashtile" in capsys.readouterr().out
 
 
+@pytest.mark.interpreter
 def test_tiny_cpu_run_writes_json_csv_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     paths = {ext: tmp_path / f"out.{ext}" for ext in ("json", "csv", "png")}

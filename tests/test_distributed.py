@@ -89,6 +89,7 @@ CASES = {
 }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_ring_gloo(name, world, tmp_path):

@@ -38,32 +38,32 @@ def name():
     return ft_transformers.register()
 
 
-def models(family: str, name: str):
-    """(flashtile model, reference model) with the same weights."""
+def models(family: str, name: str, device):
+    """(flashtile model, reference model) with the same weights, on `device`."""
     make_config, reference = MODELS[family]
     torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(make_config(), attn_implementation=name)
+    ours = transformers.AutoModelForCausalLM.from_config(make_config(), attn_implementation=name).to(device)
     ref = copy.deepcopy(ours)
     ref.set_attn_implementation(reference)
     assert ours.config._attn_implementation == name and ref.config._attn_implementation == reference
     return ours, ref
 
 
-def padded_batch():
+def padded_batch(device, seqlen=SEQLEN):
     """Row 0 left-padded by 3, row 1 right-padded by 4."""
-    ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, SEQLEN, dtype=torch.long)
+    ids = torch.randint(0, VOCAB, (2, seqlen), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, seqlen, dtype=torch.long)
     mask[0, :3] = 0
     mask[1, -4:] = 0
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_padded_logits_and_gradients(name, family):
-    ours, ref = models(family, name)
-    ids, mask = padded_batch()
+def test_padded_logits_and_gradients(name, family, device):
+    ours, ref = models(family, name, device)
+    ids, mask = padded_batch(device)
     real = mask.bool()
-    targets = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(2))
+    targets = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(2)).to(device)
     results = []
     for model in (ours, ref):
         model.train()  # attention dropout is 0 in these configs: a training step without randomness
@@ -79,36 +79,63 @@ def test_padded_logits_and_gradients(name, family):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_greedy_generation(name, family):
-    ours, ref = models(family, name)
-    ids, mask = padded_batch()
-    prompt, prompt_mask = ids[:, :8], torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+def test_greedy_generation(name, family, device):
+    ours, ref = models(family, name, device)
+    ids, mask = padded_batch(device)
+    prompt, prompt_mask = ids[:, :8], torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], device=device)
     with torch.no_grad():
         tokens = [m.eval().generate(prompt, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False)
                   for m in (ours, ref)]
     assert torch.equal(tokens[0], tokens[1])
 
 
-def test_unpadded_batch_runs_the_dense_kernels(name):
+def test_unpadded_batch_runs_the_dense_kernels(name, device):
     """No padding: the mask function answers None and the layers run flash_attn_func (causal, bottom-right)."""
-    ours, ref = models("llama", name)
-    ids, _ = padded_batch()
+    ours, ref = models("llama", name, device)
+    ids, _ = padded_batch(device)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=2e-5, rtol=2e-5)
     assert ft_transformers.padding_mask(2, SEQLEN, SEQLEN, attention_mask=torch.ones(2, SEQLEN, dtype=torch.bool)) \
         is None
 
 
-def test_packed_documents_from_position_ids(name):
+def test_packed_documents_from_position_ids(name, device):
     """One row holding two documents, position ids restarting at the second: each document attends only to itself,
     as if run alone."""
-    ours, ref = models("llama", name)
-    ids, _ = padded_batch()
-    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    ours, ref = models("llama", name, device)
+    ids, _ = padded_batch(device)
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
     with torch.no_grad():
         packed = ours(ids[:1], position_ids=position_ids).logits[0]
         alone = torch.cat([ref(ids[:1, :5]).logits[0], ref(ids[:1, 5:]).logits[0]])
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+def test_bf16_model_at_head_dim_128(name, device):
+    """A Llama of head dim 128 (the Gluon kernels on an H100/H200) in bf16, 300 padded tokens a row: flashtile's
+    logits and gradients, against the fp32 model under SDPA, err no more than 2x / 3x SDPA's own in bf16."""
+    config = transformers.LlamaConfig(**COMMON | dict(hidden_size=1024, intermediate_size=1024,
+                                                      num_attention_heads=8, num_key_value_heads=2))
+    torch.manual_seed(0)
+    exact = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    ours = copy.deepcopy(exact).to(torch.bfloat16)
+    ours.set_attn_implementation(name)
+    sdpa = copy.deepcopy(exact).to(torch.bfloat16)
+    ids, mask = padded_batch(device, 300)
+    real = mask.bool()
+    results = []
+    for model in (exact, ours, sdpa):
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits[real].float()
+        logits.square().mean().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if "self_attn" in n}
+        results.append((logits.detach(), grads))
+    (ref, ref_grads), (got, got_grads), (base, base_grads) = results
+    assert (got - ref).abs().max() <= 2 * (base - ref).abs().max() + 1e-3 * ref.abs().max()
+    for n, g in ref_grads.items():
+        bound = 3 * (base_grads[n] - g).abs().max() + 1e-3 * g.abs().max()
+        assert (got_grads[n] - g).abs().max() <= bound, n
 
 
 def test_what_it_refuses(name):

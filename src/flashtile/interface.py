@@ -29,7 +29,7 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
          learnable_sink=None):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    require_runnable(q.device)
+    require_runnable(q)
     if fallback_logging():
         log_fallback(q.device, p.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, paged=p.paged,
                      softcap=p.softcap, alibi=p.alibi, seqused=seqused_q is not None or seqused_k is not None,
@@ -133,7 +133,7 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
                       attention_chunk)
-    require_runnable(q.device)
+    require_runnable(q)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
         q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, softcap=p.softcap, alibi=p.alibi,
         dropout=p.dropout_p > 0.0, sink=p.sink, chunk=p.attention_chunk > 0)

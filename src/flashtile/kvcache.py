@@ -110,7 +110,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     p = kvcache_problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                         cache_leftpad, block_table, page_table, softmax_scale, causal, window_size, softcap,
                         alibi_slopes, num_splits, learnable_sink, attention_chunk)
-    require_runnable(q.device)
+    require_runnable(q)
     if k is not None:
         call(append_kv, k_cache, v_cache, k, v, p.cache_seqlens, cache_batch_idx, p.block_table, rotary_cos,
              rotary_sin, bool(rotary_interleaved))
@@ -163,6 +163,6 @@ def combine(out_partials, lse_partials, out_dtype=None):
         raise ValueError(f"out_partials must have unit stride in its last dimension, got {out_partials.stride()}")
     if num_splits < 1:
         raise ValueError("out_partials must hold at least one split (num_splits >= 1)")
-    require_runnable(out_partials.device)
+    require_runnable(out_partials)
     out, lse = call(_combine_op, out_partials, lse_partials, out_dtype)
     return (out[0], lse[0]) if varlen else (out, lse)

@@ -9,8 +9,10 @@ What this module does not do: decide which kernels run (ops/hopper.py: hopper_un
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import env
 from .launch import capture_target
@@ -67,13 +69,38 @@ def pdl_supported(device: torch.device) -> bool:
     return capability(device) >= (9, 0)
 
 
-def require_runnable(device: torch.device) -> None:
-    """Raise a RuntimeError saying what to do when no kernel can run for tensors on `device`: CPU tensors need
-    Triton's interpreter, which Triton and flashtile read when they are imported (env.py). Without it Triton would
-    compile for a GPU and fail deep inside with "Torch not compiled with CUDA enabled" or "0 active drivers".
-    Under launch.capture_launches nothing runs, so CPU tensors are what it takes."""
-    if device.type == "cpu" and not env.INTERPRET and capture_target() is None:
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run kernels with these versions, or None. Triton 3.6's interpreter hands
+    numpy arrays to code that wants Python scalars; numpy 2.4 turned that into an error, so every kernel fails
+    ("only 0-dimensional arrays can be converted to Python scalars")."""
+    def minor(version):
+        return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+    if minor(triton_version) <= (3, 6) and minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter fails every kernel with numpy {numpy_version}: "
+                f"install 'numpy<2.4' to run flashtile on the CPU")
+    return None
+
+
+@functools.cache
+def _installed_interpreter_problem() -> str | None:
+    import numpy
+    import triton
+    return interpreter_problem(triton.__version__, numpy.__version__)
+
+
+def require_runnable(t: torch.Tensor) -> None:
+    """Raise a RuntimeError saying what to do when no kernel can run for a call whose tensors live where `t` does:
+    CPU tensors need Triton's interpreter, which Triton and flashtile read when they are imported (env.py). Without
+    it Triton would compile for a GPU and fail deep inside with "Torch not compiled with CUDA enabled" or "0 active
+    drivers". Under launch.capture_launches nothing runs, so CPU tensors are what it takes; a FakeTensor (tracing,
+    torch.compile) runs the ops' fakes, which compute shapes only."""
+    if t.device.type != "cpu" or capture_target() is not None:
+        return
+    compiling = torch.compiler.is_compiling()  # dynamo traces the device test, and may not trace is_fake
+    if not env.INTERPRET and (compiling or not is_fake(t)):
         raise RuntimeError("flashtile: the tensors are on the CPU, where Triton kernels run only through Triton's "
                            "interpreter. Set TRITON_INTERPRET=1 in the environment before importing flashtile "
                            "(e.g. `TRITON_INTERPRET=1 python script.py`; slow, for tests and demonstrations), or "
                            "move the tensors to a CUDA GPU.")
+    if env.INTERPRET and not compiling and not is_fake(t) and _installed_interpreter_problem():
+        raise RuntimeError(f"flashtile: {_installed_interpreter_problem()}")
