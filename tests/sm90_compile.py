@@ -316,7 +316,9 @@ def build(spec) -> dict:
     ptx = compiled.asm["ptx"]
     row = {"kernel": fn.__name__, "shared": compiled.metadata.shared, "wgmma": "wgmma" in ptx,
            "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
-           "num_warps": options.num_warps, "num_stages": options.num_stages, "seconds": round(seconds, 1)}
+           "num_warps": options.num_warps, "num_stages": options.num_stages, "seconds": round(seconds, 1),
+           "shared_accesses": len(re.findall(r"\b(?:ld|st)\.shared", ptx)),
+           "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync", ptx))}
     return row | describe(spec) | _ptxas(log.getvalue())
 
 

@@ -62,3 +62,22 @@ def test_production_kernels_compile_for_sm90(group):
             assert not r["wgmma_serialized"], f"{r}: ptxas serialised the wgmma"
         if r["kernel"].startswith("_hopper"):
             assert r["setmaxnreg"], f"{r}: expected the warp-specialised partitions' register split"
+    pairs = _dropout_pairs(rows)
+    assert pairs or group != "prefill-64", "no compile with dropout beside the same one without"
+    for kernel, with_dropout, without in pairs:
+        assert (with_dropout["shared_accesses"], with_dropout["barriers"]) == \
+            (without["shared_accesses"], without["barriers"]), \
+            f"{kernel}: the dropout mask goes through shared memory (Note [dropout mask]): {with_dropout}"
+
+
+def _dropout_pairs(rows):
+    """(kernel, row, row) for each built forward or dQ compile with dropout and the compile that differs from it
+    only in having none (the "239x1 causal" scenarios of sm90_compile.py). Their mask is built in the registers
+    that hold P (Note [dropout mask] in kernels/dropout.py), so their PTX must have as many shared-memory accesses
+    and barriers as without dropout; the dK/dV kernel's transposed tile still converts the mask's layout."""
+    def key(r):
+        return repr(sorted((k, v) for k, v in r.items() if k.isupper() and k != "HAS_DROPOUT"))
+    built = [r for r in rows if r["built"] and r["kernel"] in ("_attn_fwd_kernel", "_bwd_dq_kernel")]
+    plain = {(r["kernel"], key(r)): r for r in built if not r.get("HAS_DROPOUT")}
+    return [(r["kernel"], r, plain[r["kernel"], key(r)]) for r in built
+            if r.get("HAS_DROPOUT") and (r["kernel"], key(r)) in plain]

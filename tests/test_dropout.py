@@ -7,8 +7,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashtile
+from flashtile.kernels.dropout import keep_mask
 from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded
 
 P = 0.17
@@ -134,6 +137,28 @@ def test_dropped_fraction_is_p(device):
 
     torch.manual_seed(1234)
     assert torch.equal(flashtile.flash_attn_func(q, k, v, dropout_p=p), out3)
+
+
+@triton.jit
+def _keep_kernel(OUT, seed, stream, bh, threshold, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = keep_mask(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+    tl.store(OUT + i[:, None] * COLS + j[None, :], keep.to(tl.int8))
+
+
+def test_the_mask_does_not_depend_on_the_tile():
+    """keep_mask's bits for one (seed, stream, b * H + h) from tiles 8, 16, 32 and 64 keys wide and 16 or 32 rows
+    high are the same (Note [dropout mask]): the interpreter's kernels use 16-key tiles, the GPU's 32 and more, and
+    the forward, both backward kernels and S_dmask's kernel each their own."""
+    masks = []
+    for block_m, block_n in ((16, 8), (32, 16), (16, 32), (32, 64)):
+        out = torch.empty(64, 128, dtype=torch.int8)
+        _keep_kernel[(64 // block_m, 128 // block_n)](out, 1234, 7, 5, 19661, 64, 128, block_m, block_n)
+        masks.append(out)
+    assert all(torch.equal(m, masks[0]) for m in masks[1:])
+    assert abs(1 - masks[0].float().mean().item() - 0.3) < 0.03
 
 
 def test_backward_reruns_regenerate_the_forward_mask(device):

@@ -79,15 +79,6 @@ FP32: dict[str, dict[int, TileConfig]] = {
     "bwd_dq": {128: TileConfig(64, 64, 4, 2, _FP32), 256: TileConfig(32, 32, 4, 2, _FP32),
                512: TileConfig(32, 16, 8, 1, _FP32)},
 }
-_DROPOUT = ("the table's tile with one stage less: dropout's mask changes layout through 4 KiB of shared memory "
-            "(kernels/dropout.keep_mask), which the 3-stage ring leaves no room for (234496 > 232448 bytes, "
-            "tests/sm90_compile.py); not timed")
-# kernel -> padded head dim -> config with dropout (HAS_DROPOUT) where the table's does not fit; the same tile, so
-# host descriptors and tile lists built for the table's tile serve it too.
-DROPOUT: dict[str, dict[int, TileConfig]] = {
-    "fwd": {256: TileConfig(64, 64, 4, 2, _DROPOUT)},
-}
-
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
     "bwd_dkdv": TileConfig(16, 32, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
@@ -147,21 +138,19 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
-    """The config of `kernel` at this head dim, for fp32 inputs if `fp32`, with dropout if `dropout`."""
+def tile_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
+    """The config of `kernel` at this head dim, for fp32 inputs if `fp32`."""
     if env.INTERPRET:
         return _INTERPRETER[kernel]
-    return table_config(kernel, head_dim, fp32, dropout)
+    return table_config(kernel, head_dim, fp32)
 
 
-def table_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
+def table_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
     """The GPU table's config of `kernel` (what tile_config gives outside the interpreter; `flashtile info` shows
     it on any machine)."""
     d = block_d(head_dim)
     if fp32 and d in FP32[kernel]:
         return FP32[kernel][d]
-    if dropout and d in DROPOUT.get(kernel, {}):
-        return DROPOUT[kernel][d]
     return TABLE[kernel][d]
 
 

@@ -6,11 +6,19 @@ is at least threshold = round(p * 65536), so it is dropped with probability thre
 Survivors are scaled by 1 / (1 - p) (flash-attn 2's semantics; the LSE is that of the softmax before dropout). u
 comes from Philox4x32 with 7 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011: the
 fewest rounds that pass BigCrush, with the round keys of Random123) keyed by the call's 64-bit seed, whose
-counter is (j // 8, i, b * H + h, stream): one call gives 4 x 32 bits, eight 16-bit numbers, for the eight keys
-8 * (j // 8) + [0, 8) of one query. So the mask depends on (seed, stream, b, h, i, j) alone, never on a kernel's
-tile shape or its orientation (the dK/dV kernel's tiles are keys x queries and transpose it): the forward, both
-backward kernels and the testing kernel below regenerate the same bits. i and j count from the start of their
-sequence (varlen too). Tiles start at multiples of 8 keys.
+counter is (c, i, b * H + h, stream): call c gives 4 x 32 bits, eight 16-bit numbers, for the eight keys
+j = 32 * (c // 4) + 8 * w + 2 * (c % 4) + half of query i (word w of the four, its low or high half). So the mask
+depends on (seed, stream, b, h, i, j) alone, never on a kernel's tile shape or its orientation (the dK/dV kernel's
+tiles are keys x queries and transpose it): the forward, both backward kernels and the testing kernel below
+regenerate the same bits. i and j count from the start of their sequence (varlen too). Tiles start at multiples
+of 32 keys, or of their width when narrower (the interpreter's 16).
+
+Why those eight keys: they are the columns 8 * w + 2 * q + [0, 2) of one row that a thread holds in the
+accumulator of an MMA (mma.sync and wgmma alike, q = lane % 4), so the forward and dQ kernels build their mask in
+the registers where P sits: their sm_90 PTX has exactly as many shared-memory accesses and barriers as without
+dropout. Eight consecutive keys per call (the first design) spread a call over four threads and cost a round trip
+through shared memory per tile, which made the mask slower than the Q Kᵀ product it masks (docs/perf.md). The
+dK/dV kernel's transposed tile holds two keys of a query per thread, and still converts the mask's layout.
 
 `dropout_probs_kernel` writes S_dmask for `return_attn_probs=True` (testing only, one slow pass): the
 probabilities exp(s - lse) of every visible entry, negated where dropped; see ops/dropout.py for the layout.
@@ -37,17 +45,30 @@ def dropout_state(RNG, dropout_p):
 
 
 @triton.jit
+def _unit_numbers(seed, stream, bh, i, unit, BLOCK_M: tl.constexpr, UNITS: tl.constexpr):
+    """(BLOCK_M, UNITS * 32) 16-bit numbers of the key units unit + [0, UNITS) (Note [dropout mask])."""
+    zero = tl.zeros([BLOCK_M, UNITS, 4], dtype=tl.int32)
+    calls = 4 * (unit + tl.arange(0, UNITS))[:, None] + tl.arange(0, 4)[None, :]
+    r0, r1, r2, r3 = tl.philox(seed, calls[None, :, :] + zero, i[:, :, None] + zero, bh + zero, stream + zero,
+                               PHILOX_ROUNDS)
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, U, 4 q, 2 b, 2 a): word 2a + b
+    halves = tl.join(words & 0xFFFF, words >> 16)  # (M, U, q, b, a, h)
+    return tl.reshape(tl.permute(halves, [0, 1, 4, 3, 2, 5]), [BLOCK_M, UNITS * 32])
+
+
+@triton.jit
 def keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(BLOCK_M, BLOCK_N) booleans: entry (i[r], n_start + c) survives (Note [dropout mask]). i: (BLOCK_M, 1) query
-    rows within the sequence; n_start: a multiple of 8, the tile's first key within the sequence; bh: b * H + h."""
-    tl.static_assert(BLOCK_N % 8 == 0, "dropout draws eight keys per Philox call")
-    GROUPS: tl.constexpr = BLOCK_N // 8
-    zero = tl.zeros([BLOCK_M, GROUPS], dtype=tl.int32)
-    groups = (n_start // 8 + tl.arange(0, GROUPS))[None, :] + zero
-    r0, r1, r2, r3 = tl.philox(seed, groups, i + zero, bh + zero, stream + zero, PHILOX_ROUNDS)
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, G, 2, 2): word w = 2 * a + b of key group g
-    halves = tl.join(words & 0xFFFF, words >> 16)  # (M, G, 2, 2, 2): key 8 * g + 2 * w + half
-    u = tl.reshape(halves, [BLOCK_M, BLOCK_N])
+    rows within the sequence; n_start: a multiple of min(BLOCK_N, 32), the tile's first key within the sequence;
+    bh: b * H + h."""
+    if BLOCK_N >= 32:
+        tl.static_assert(BLOCK_N % 32 == 0, "dropout draws keys in units of 32")
+        u = _unit_numbers(seed, stream, bh, i, n_start // 32, BLOCK_M, BLOCK_N // 32)
+    else:
+        unit = tl.reshape(_unit_numbers(seed, stream, bh, i, n_start // 32, BLOCK_M, 1), [BLOCK_M, 32 // BLOCK_N,
+                                                                                           BLOCK_N])
+        part = (tl.arange(0, 32 // BLOCK_N) == (n_start % 32) // BLOCK_N)[None, :, None]
+        u = tl.sum(tl.where(part, unit, 0), axis=1)
     return u.to(tl.int32) >= threshold
 
 

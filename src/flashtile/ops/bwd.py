@@ -203,12 +203,12 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         launch(_bwd_dq_kernel, "bwd_dq", p.tile_dim, fp32, key,
                (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan is None else plan.last_first if listed else plan.schedule, p.rng, *scalars),
-               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS, dropout=p.dropout_p > 0.0)
+               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS)
         record("bwd_dq", TRITON)
         launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
                (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan_k is None else plan_k.schedule, p.rng, *scalars),
-               lambda: static("bwd_dkdv"), pdl=pdl, dropout=p.dropout_p > 0.0)
+               lambda: static("bwd_dkdv"), pdl=pdl)
     record("bwd_dkdv", TRITON)
     return grads, delta
 

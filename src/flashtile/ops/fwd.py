@@ -167,7 +167,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             None if plan is None else plan.schedule, block_table, p.rng, p.learnable_sink, qk_scale, softcap2,
             p.dropout_p),
-           static, pre_hook=_FWD_BLOCKS, dropout=p.dropout_p > 0.0)
+           static, pre_hook=_FWD_BLOCKS)
     return out, lse, plan
 
 
