@@ -336,3 +336,158 @@ def test_sdpa_math_runs_causal_varlen():
     ours = BACKENDS["flashtile"].setup(case, inputs).output()
     theirs = BACKENDS["sdpa-math"].setup(case, inputs).output()
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_flops_count_v_head_dim_separately():
+    """2·(D + Dv) per visible pair and head: QKᵀ over D, PV over Dv."""
+    mla = Case("fwd", batch=2, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_kv=16, headdim=192, headdim_v=128)
+    assert forward_flops(mla) == 2 * 2 * 16 * 1024 * 1024 * (192 + 128) == 21474836480
+    causal = dataclasses.replace(mla, causal=True)
+    assert forward_flops(causal) == 2 * 2 * 16 * (192 + 128) * (1024 * 1025 // 2)
+    assert timed_flops(dataclasses.replace(mla, mode="fwdbwd")) == 3.5 * 21474836480
+    same = dataclasses.replace(mla, headdim=128, headdim_v=128)  # Dv = D: the papers' 4·D
+    assert forward_flops(same) == forward_flops(dataclasses.replace(same, headdim_v=0)) == 4 * 2 * 16 * 1024**2 * 128
+
+
+def test_absorbed_decode_reads_its_cache_once():
+    """DeepSeek's absorbed cache: 576 channels a token, V the first 512 of them, counted once."""
+    case = Case("decode", batch=4, seqlen_q=1, seqlen_k=4096, nheads=128, nheads_kv=1, headdim=576, headdim_v=512,
+                page_size=64)
+    assert case.absorbed and "d576/512" in case.label() and "absorbed" in case.label()
+    assert kv_bytes(case) == 4 * 4096 * 576 * 2 == 18874368
+    mixed = dataclasses.replace(case, batch=3, cache_lengths=(4096, 100, 7))
+    assert kv_bytes(mixed) == (4096 + 100 + 7) * 576 * 2
+    # Two KV heads, or a v as wide as k, are separate caches: K and V each read.
+    separate = dataclasses.replace(case, nheads_kv=2)
+    assert not separate.absorbed and kv_bytes(separate) == 4 * 4096 * 2 * (576 + 512) * 2
+    assert not dataclasses.replace(case, headdim_v=0).absorbed
+    assert not dataclasses.replace(case, mode="fwd").absorbed
+    assert case.fields()["absorbed"] is True and case.fields()["headdim_v"] == 512
+
+
+def test_model_presets_build_their_cases():
+    sinks = build_cases(preset_runs("sinks"), GPU_SHAPES, "bf16")
+    assert [c.mode for c in sinks] == ["fwd"] * 8 + ["fwdbwd"] * 8
+    assert [c.sink for c in sinks] == [False, True] * 8  # each shape with and without, side by side
+    assert all(dataclasses.replace(a, sink=True) == b for a, b in zip(sinks[::2], sinks[1::2]))
+    assert {(c.nheads, c.nheads_kv, c.headdim) for c in sinks} == {(64, 8, 64), (32, 8, 128)}  # gpt-oss at d64
+    assert {(c.batch, c.seqlen_q) for c in sinks} == {(4, 4096), (1, 16384)} and all(c.causal for c in sinks)
+    assert sinks[1].label() == "b4 s4096 h64/8 d64 bf16 causal sink"
+
+    mla = build_cases(preset_runs("mla"), GPU_SHAPES, "bf16")
+    assert [c.mode for c in mla] == ["fwd"] * 8 + ["fwdbwd"] * 8
+    assert {(c.headdim, c.headdim_v, c.nheads) for c in mla[:4]} == {(192, 128, 16)}
+    assert {(c.headdim, c.headdim_v, c.nheads) for c in mla[4:8]} == {(128, 0, 16)}  # the dense baseline
+    assert {(c.batch, c.seqlen_q, c.causal) for c in mla[:4]} == {(c.batch, c.seqlen_q, c.causal) for c in mla[4:8]}
+    assert {(c.batch, c.seqlen_q) for c in mla} == {(4, 4096), (1, 16384)}
+    assert mla[0].label() == "b4 s4096 h16 d192/128 bf16" and mla[4].label() == "b4 s4096 h16 d128 bf16"
+
+    d512 = build_cases(preset_runs("d512"), GPU_SHAPES, "bf16")
+    assert {(c.headdim, c.nheads) for c in d512} == {(256, 8), (512, 4)} and len(d512) == 2 * 2 * 2 * 2
+    assert {c.seqlen_q for c in d512} == {4096, 16384} and {c.causal for c in d512} == {False, True}
+
+    decode = build_cases(preset_runs("mla-decode"), GPU_SHAPES, "bf16")
+    assert all(c.absorbed and (c.nheads, c.nheads_kv, c.headdim, c.dv, c.seqlen_q) == (128, 1, 576, 512, 1)
+               for c in decode)
+    assert {(c.batch, c.seqlen_k) for c in decode} == {(b, s) for b in (16, 32, 64)
+                                                       for s in (4096, 8192, 16384, 32768)}
+    assert [c.page_size for c in decode] == [0] * 12 + [64] * 12
+
+    # The CPU twins: the same structure at toy sizes, the real head dims where the kernels depend on them.
+    twins = {p: build_cases(preset_runs(p), CPU_SHAPES, "fp16") for p in ("sinks", "mla", "d512", "mla-decode")}
+    assert [c.sink for c in twins["sinks"]] == [False, True] * 2
+    assert [(c.headdim, c.dv) for c in twins["mla"]] == ([(32, 16)] * 2 + [(16, 16)] * 2) * 2  # fwd, then fwdbwd
+    assert {c.headdim for c in twins["d512"]} == {256, 512}
+    assert all(c.absorbed and (c.headdim, c.dv) == (576, 512) for c in twins["mla-decode"])
+    assert [c.page_size for c in twins["mla-decode"]] == [0, 16]
+    cases = [c for t in twins.values() for c in t]
+    assert max(c.seqlen_k for c in cases) <= 64 and max(c.nheads * c.batch for c in cases) <= 16
+
+
+def test_model_shape_inputs():
+    """v and dout take v's head dim; an absorbed cache is one storage, paged too; a sink changes nothing else."""
+    mla = _cpu_case("fwdbwd", headdim=32, headdim_v=16)
+    inputs = make_inputs(mla, CPU)
+    assert inputs.k.shape[-1] == 32 and inputs.v.shape[-1] == 16 and inputs.dout.shape == (2, 24, 4, 16)
+    assert inputs.sink is None
+    sink = make_inputs(dataclasses.replace(mla, sink=True), CPU)
+    assert sink.sink.dtype == torch.float32 and sink.sink.shape == (4,)
+    for a, b in ((inputs.q, sink.q), (inputs.k, sink.k), (inputs.v, sink.v), (inputs.dout, sink.dout)):
+        assert torch.equal(a, b)
+    decode = _cpu_case("decode", seqlen_q=1, seqlen_k=40, nheads=8, nheads_kv=1, headdim=576, headdim_v=512)
+    inputs = make_inputs(decode, CPU)
+    assert inputs.v.data_ptr() == inputs.k.data_ptr() and torch.equal(inputs.v, inputs.k[..., :512])
+    k_pages, v_pages, table = paginate(inputs.k, inputs.v, page_size=16)
+    assert v_pages.data_ptr() == k_pages.data_ptr() and v_pages.shape[-1] == 512
+    assert torch.equal(k_pages[table.long()].flatten(1, 2)[:, :40], inputs.k)
+    apart = make_inputs(dataclasses.replace(decode, nheads_kv=2), CPU)  # not absorbed: two caches
+    assert apart.v.data_ptr() != apart.k.data_ptr() and apart.v.is_contiguous()
+    k_pages, v_pages, table = paginate(apart.k, apart.v, page_size=16)
+    assert v_pages.data_ptr() != k_pages.data_ptr() and torch.equal(v_pages[table.long()].flatten(1, 2)[:, :40],
+                                                                     apart.v)
+
+
+@pytest.mark.parametrize("preset", ["sinks", "mla", "d512", "mla-decode"])
+@pytest.mark.interpreter
+def test_flashtile_runs_the_model_presets(preset, monkeypatch):
+    """Every CPU case of the preset through `run` with --refcheck: flashtile runs it and matches the reference."""
+    from flashtile.bench import timing
+
+    monkeypatch.setattr(timing, "CPU_REPS", 1)  # the rows, not the timings, are under test
+    cases = build_cases(preset_runs(preset), CPU_SHAPES, "fp16")
+    rows = bench_run.run(cases, [BACKENDS["flashtile"]], CPU, refcheck=True, progress=lambda *a: None)
+    assert [(r["case"], r["status"], r["refcheck"]) for r in rows] == [(c.label(), "ok", "ok") for c in cases]
+    for r, c in zip(rows, cases):
+        assert r["tflops"] == pytest.approx(timed_flops(c) / (r["ms"] * 1e-3) / 1e12)
+        assert (r["headdim_v"], r["sink"], r["absorbed"]) == (c.headdim_v, c.sink, c.absorbed)
+        if c.mode == "decode":
+            assert r["tbps"] == pytest.approx(kv_bytes(c) / (r["ms"] * 1e-3) / 1e12)
+
+
+@pytest.mark.interpreter
+def test_refcheck_holds_sinks_and_v_head_dims_to_the_reference():
+    """The reference takes the sink and Dv: flashtile without its sink, or a wrong v channel, fails it."""
+    case = _cpu_case("fwd", headdim=32, headdim_v=16, sink=True)
+    inputs = make_inputs(case, CPU)
+    inputs.sink += 2.0  # sinks that take a visible share of each row
+    reference = build_reference(case, inputs)
+    out = BACKENDS["flashtile"].setup(case, inputs).output()
+    assert out.shape == (2, 24, 4, 16) and check(reference, out).ok
+    no_sink = BACKENDS["flashtile"].setup(dataclasses.replace(case, sink=False), inputs).output()
+    assert not check(reference, no_sink).ok
+    wrong = out.clone()
+    wrong[-1, ..., -1, -1] += 0.5  # the last channel of v's head dim is checked
+    assert not check(reference, wrong).ok
+
+
+def test_other_backends_refuse_what_they_cannot_run():
+    case = _cpu_case("fwd", sink=True)
+    inputs = make_inputs(case, CPU)
+    row = bench_run.run_backend(case, inputs, BACKENDS["sdpa-math"], CPU, None, 10)
+    assert row["status"] == "unsupported: SDPA has no learnable sinks"
+    for name in ("fa2", "fa4", "flex", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
+        with pytest.raises(Unsupported, match="sink"):
+            BACKENDS[name].setup(case, inputs)
+    mla = _cpu_case("fwd", headdim=32, headdim_v=16)
+    with pytest.raises(Unsupported, match="v's head dim"):
+        BACKENDS["fa2"].setup(mla, make_inputs(mla, CPU))
+    wide = _cpu_case("fwd", headdim=512, seqlen_q=8, seqlen_k=8)
+    with pytest.raises(Unsupported, match="up to 256"):
+        BACKENDS["fa2"].setup(wide, make_inputs(wide, CPU))
+
+
+def test_sdpa_math_takes_a_v_head_dim_of_its_own():
+    """SDPA's math backend computes 192/128-style attention (here 32/16) and passes the reference."""
+    case = _cpu_case("fwd", headdim=32, headdim_v=16)
+    inputs = make_inputs(case, CPU)
+    out = BACKENDS["sdpa-math"].setup(case, inputs).output()
+    assert out.shape == (2, 24, 4, 16) and check(build_reference(case, inputs), out).ok
+
+
+def test_plot_panels_keep_sinks_and_v_head_dims_apart():
+    from flashtile.bench.plot import _panel
+
+    cases = (_cpu_case(headdim=64), _cpu_case(headdim=64, sink=True), _cpu_case(headdim=64, headdim_v=32))
+    plain, sink, mla = (_panel(c.fields()) for c in cases)
+    assert plain[:2] != sink[:2] and "sink" in sink[2]
+    assert plain[:2] != mla[:2] and "head dim 64/32" in mla[2]

@@ -61,6 +61,41 @@ def test_a_fully_specified_custom_case():
     assert (c.dtype, c.causal, c.window_size, c.softcap) == ("fp16", True, (64, 0), 30.0)
 
 
+def test_model_presets_and_their_flags():
+    cases, _ = select(["--preset", "mla"])
+    assert [(c.mode, c.headdim, c.headdim_v) for c in cases[::4]] == [("fwd", 192, 128), ("fwd", 128, 0),
+                                                                       ("fwdbwd", 192, 128), ("fwdbwd", 128, 0)]
+    # --mode keeps every sweep the preset runs the mode over: MLA's and its baseline's.
+    cases, _ = select(["--preset", "mla", "--mode", "fwdbwd"])
+    assert {(c.mode, c.headdim) for c in cases} == {("fwdbwd", 192), ("fwdbwd", 128)} and len(cases) == 8
+    cases, _ = select(["--preset", "sinks", "--no-sink", "--head-dim", "64"])
+    assert len(cases) == 4 and not any(c.sink for c in cases)
+    cases, _ = select(["--mode", "fwd", "--head-dim", "192", "--head-dim-v", "128", "--sink", "--seqlen", "4096",
+                       "--causal"])
+    assert [(c.headdim, c.dv, c.sink, c.causal, c.nheads) for c in cases] == [(192, 128, True, True, 10)]
+    assert cases[0].label() == "b4 s4096 h10 d192/128 bf16 causal sink"
+    cases, _ = select(["--preset", "mla-decode", "--batch", "8", "--seqlen-k", "4096", "--page-size", "64"])
+    assert [(c.batch, c.seqlen_k, c.page_size, c.absorbed) for c in cases] == [(8, 4096, 64, True)]
+    cases, _ = select(["--preset", "d512", "--mode", "fwd", "--no-causal", "--seqlen", "4096"])
+    assert [(c.headdim, c.nheads) for c in cases] == [(256, 8), (512, 4)]
+
+
+@pytest.mark.interpreter
+def test_tiny_cpu_mla_decode_run(tmp_path):
+    """The absorbed-cache preset end to end: flashtile checked against the reference, TB/s of the cache read once,
+    the layout in the JSON rows."""
+    path = tmp_path / "mla.json"
+    argv = ["bench", "--preset", "mla-decode", "--refcheck", "--backends", "flashtile,sdpa-math", "--json", str(path)]
+    assert cli.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["backend"], r["page_size"], r["status"]) for r in rows] == [
+        ("flashtile", 0, "ok"), ("sdpa-math", 0, "ok"), ("flashtile", 16, "ok"),
+        ("sdpa-math", 16, "unsupported: SDPA has no paged KV cache")]
+    for r in rows[:3]:
+        assert r["refcheck"] == "ok" and r["absorbed"] and (r["headdim"], r["headdim_v"]) == (576, 512)
+        assert r["tbps"] == pytest.approx(2 * 40 * 576 * 2 / (r["ms"] * 1e-3) / 1e12)  # the cache, read once
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "sideways"], "unknown mode"),
     (["--backends", "flashtile,nope"], "unknown backend"),

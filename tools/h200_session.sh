@@ -4,15 +4,17 @@
 #   part 1 (carry .fa4a): GPU test tier, varlen preset (with its dense baseline), decode preset
 #   part 2 (carry .fa4b): FA4 installed, then the standard sweep at d128 and d64, one JSON per head dim and mode
 #   part 3 (no carry, straight after part 2: FA4 is still installed on the warm machine): the sweep at d256
+#   part 4 (after part 2 or 3, FA4 still installed): the model-shape presets (sinks, mla, d512, mla-decode) and
+#   dropout, one JSON each
 # A measured run needed ~350 s for part 2's sweeps and ~300 s for d256 with every backend: one call (600 s) cannot
 # hold all three head dims. Every log and JSON goes to $OUT; a bench cut short by its time limit keeps the cases
 # it finished. The time limits were sized before the bench timed backends in interleaved rounds
 # (bench/run.py), which adds a do_bench warm-up per round: watch for runs cut short.
-# Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2|3 [git-sha]
+# Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2|3|4 [git-sha]
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
-part=${1:?part 1, 2 or 3}
+part=${1:?part 1, 2, 3 or 4}
 sha=${2:-unknown}
 mkdir -p "$out" /tmp/fa4
 bench="python3 -m flashtile bench --meta git_sha=$sha"
@@ -36,6 +38,16 @@ else
     export PYTHONPATH=src:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
   else
     echo "FA4 not installed (an earlier part ran on another machine): the fa4 rows will say unsupported"
+  fi
+  if [ "$part" = 4 ]; then
+    for spec in "sinks flashtile,fa4 110" "mla flashtile,fa4 130" "d512 flashtile,sdpa-efficient 110" \
+                "mla-decode flashtile 90" "dropout flashtile,fa2,sdpa-flash 140"; do
+      set -- $spec
+      timeout "$3" $bench --preset "$1" --backends "$2" --rep-ms 10 --json "$out/$1.json" > /tmp/preset.log 2>&1
+      cat /tmp/preset.log >> "$out/presets.log"
+      grep -E "^(fwd|fwdbwd|decode) " /tmp/preset.log | cut -c1-120
+    done
+    exit 0
   fi
   specs=("128 fwd 80" "128 fwdbwd 110" "64 fwd 70" "64 fwdbwd 100")
   [ "$part" = 3 ] && specs=("256 fwd 110" "256 fwdbwd 250")

@@ -6,6 +6,7 @@
     flashtile bench                        # the standard sweep, every backend (GPU)
     flashtile bench --preset decode --refcheck --json out.json --plot out.png
     flashtile bench --preset varlen --backends flashtile,flex   # varlen fwd, fwd+bwd beside dense S=1k, 4k
+    flashtile bench --preset mla --backends flashtile,fa4       # head dim 192/v 128 beside d128, one run
     flashtile bench --mode fwd,fwdbwd --batch 4 --seqlen 4096 --heads 32 --kv-heads 8 --head-dim 128 --causal
     flashtile bench --list-backends
 
@@ -108,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--preset", choices=PRESETS,
                        help="standard: fwd + fwdbwd (default on a GPU); decode; varlen: varlen + varlenbwd "
-                            "beside dense fwd + fwdbwd at S=1k, 4k; all (default without a GPU)")
+                            "beside dense fwd + fwdbwd at S=1k, 4k; dropout: p=0 beside p=0.1; sinks: with and "
+                            "without learnable sinks; mla: head dim 192/v 128 beside d128; d512: d512 beside "
+                            "d256; mla-decode: DeepSeek's absorbed 576/512 cache; all (default without a GPU); "
+                            "shapes in flashtile.bench.cases")
     bench.add_argument("--mode", nargs="+", metavar="MODE", help=f"any of {', '.join(MODES)}, run instead of "
-                       "the preset's modes, each over the preset's sweep for it if it has one (space- or "
+                       "the preset's modes, each over the preset's sweeps for it if it has any (space- or "
                        "comma-separated)")
     bench.add_argument("--backends", type=_words, help="comma-separated names (see --list-backends)")
     bench.add_argument("--list-backends", action="store_true", help="list the backends and exit")
@@ -123,9 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--hidden", type=int, help="model width that --heads defaults from (default 2048)")
     shape.add_argument("--kv-heads", type=_ints, dest="kv_heads", help="default: heads (GQA when fewer)")
     shape.add_argument("--head-dim", type=_ints, dest="head_dim", help="features per head")
+    shape.add_argument("--head-dim-v", type=_ints, dest="head_dim_v",
+                       help="v's features per head (MLA: 128 beside a head dim of 192); 0 = the head dim")
     shape.add_argument("--seqlens", type=_ints, help="varlen: the per-sequence lengths")
     shape.add_argument("--page-size", type=_ints, dest="page_size", help="decode: 0 = contiguous KV cache")
     shape.add_argument("--causal", action=argparse.BooleanOptionalAction, help="default: both")
+    shape.add_argument("--sink", action=argparse.BooleanOptionalAction,
+                       help="a learnable sink per query head (--no-sink: none); default: the preset's (sinks: both)")
     bench.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp16 without one")
     bench.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R",
                        help="sliding window; -1 = unbounded")
@@ -154,11 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _shapes(args, gpu: bool):
     from flashtile.bench.cases import CPU_SHAPES, GPU_SHAPES
 
-    axes = ("batch", "tokens", "seqlen_q", "seqlen_k", "heads", "hidden", "kv_heads", "head_dim", "seqlens",
-            "page_size")
+    axes = ("batch", "tokens", "seqlen_q", "seqlen_k", "heads", "hidden", "kv_heads", "head_dim", "head_dim_v",
+            "seqlens", "page_size")
     overrides = {a: getattr(args, a) for a in axes if getattr(args, a) is not None}
-    if args.causal is not None:
-        overrides["causal"] = (args.causal,)
+    for flag in ("causal", "sink"):
+        if getattr(args, flag) is not None:
+            overrides[flag] = (getattr(args, flag),)
     base = GPU_SHAPES if gpu else CPU_SHAPES
     return {sweep: dataclasses.replace(s, **overrides) for sweep, s in base.items()}
 

@@ -16,6 +16,10 @@ unsupported, not an error.
 The backward modes (fwdbwd, varlenbwd) go through each backend's autograd from the same random dout; a backend
 whose backward raises NotImplementedError for the case is reported unsupported, like a missing feature. A case
 with dropout_p > 0 runs on the backends that take dropout (flashtile, fa2, SDPA's flash, efficient and math).
+Learnable sinks run on flashtile alone (the others refuse them: none has them, or they are not wired up here). A
+v head dim other than q's is given to every backend but fa2, which has none; those that cannot take it (SDPA's
+flash kernel, say) refuse it themselves, and the row says what they said. An absorbed MLA decode cache is passed
+as it is, v_cache a view of k_cache; a backend that needs its own layout copies it in setup, untimed.
 
 What this module does not do: time, check numerics, or rank backends (run.py, refcheck.py, report.py).
 """
@@ -89,13 +93,33 @@ def _paged(case: Case, inputs: Inputs):
     return [paginate(k, v, case.page_size) for k, v in inputs.kv]
 
 
-def _flash_api(module: str, page_multiple: int = 1):
-    """flashtile and FlashAttention-2, which share flash-attn 2.8's API."""
+def _refuse_sink(case: Case, name: str) -> None:
+    if case.sink:
+        raise Unsupported(f"learnable sinks not wired up for {name}")
+
+
+def _fa2_refuse(case: Case) -> None:
+    """What flash-attn 2 has no kernel for."""
+    if case.sink:
+        raise Unsupported("FlashAttention-2 has no learnable sinks")
+    if case.dv != case.headdim:
+        raise Unsupported("FlashAttention-2 needs v's head dim equal to q's")
+    if case.headdim > 256:
+        raise Unsupported("FlashAttention-2 supports head dims up to 256")
+
+
+def _flash_api(module: str, page_multiple: int = 1, refuse: Callable[[Case], None] | None = None):
+    """flashtile and FlashAttention-2, which share flash-attn 2.8's API; `refuse(case)` raises Unsupported for
+    what the library cannot run (flashtile runs every case)."""
 
     def setup(case: Case, inputs: Inputs) -> Prepared:
+        if refuse is not None:
+            refuse(case)
         kw = {"causal": case.causal, "window_size": case.window_size, "softcap": case.softcap}
         if case.dropout_p:
             kw["dropout_p"] = case.dropout_p
+        if case.sink:
+            kw["learnable_sink"] = inputs.sink
         if case.mode == "decode":
             (fn,) = _api(module, "flash_attn_with_kvcache")
             if case.page_size % page_multiple:
@@ -120,6 +144,7 @@ def _setup_fa4(case: Case, inputs: Inputs) -> Prepared:
     """FlashAttention-4 (CuTe DSL): an unbounded window side is None rather than -1; it returns (out, lse)."""
     if case.dropout_p:
         raise Unsupported("FlashAttention-4 has no dropout")
+    _refuse_sink(case, "FlashAttention-4")
     func, varlen_func = _api("flash_attn.cute", "flash_attn_func", "flash_attn_varlen_func")
     kw = {"causal": case.causal, "window_size": tuple(None if w < 0 else w for w in case.window_size)}
     if case.softcap:
@@ -175,6 +200,8 @@ def _sdpa(kernel_name: str):
             raise Unsupported("SDPA has no paged KV cache")
         if case.cache_lengths:
             raise Unsupported("SDPA has no per-sequence cache lengths")
+        if case.sink:
+            raise Unsupported("SDPA has no learnable sinks")
         per_head = sum(n * n for n in case.seqlens) or case.batch * case.seqlen_q * case.seqlen_k
         scores = case.nheads * per_head
         if kernel == SDPBackend.MATH and scores > MATH_MAX_SCORES:
@@ -253,6 +280,7 @@ def _setup_flex(case: Case, inputs: Inputs) -> Prepared:
         raise Unsupported("paged KV not wired up for Flex")
     if case.cache_lengths:
         raise Unsupported("per-sequence cache lengths not wired up for Flex")
+    _refuse_sink(case, "Flex")
     left, right = case.window_size
     right = 0 if case.causal else right
     offset = case.seqlen_k - case.seqlen_q  # bottom-right alignment
@@ -297,7 +325,8 @@ BACKENDS = {
     for b in (
         Backend("flashtile", _flash_api("flashtile"), "flashtile (this package)", cpu=True),
         Backend("fa4", _setup_fa4, "FlashAttention-4, flash_attn.cute"),
-        Backend("fa2", _flash_api("flash_attn", page_multiple=256), "FlashAttention-2, flash_attn"),
+        Backend("fa2", _flash_api("flash_attn", page_multiple=256, refuse=_fa2_refuse),
+                "FlashAttention-2, flash_attn"),
         Backend("sdpa-cudnn", _sdpa("CUDNN_ATTENTION"), "torch SDPA, cuDNN backend"),
         Backend("sdpa-flash", _sdpa("FLASH_ATTENTION"), "torch SDPA, its FlashAttention-2 backend"),
         Backend("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "torch SDPA, memory-efficient backend"),

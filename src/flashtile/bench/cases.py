@@ -20,7 +20,18 @@ The GPU sweeps:
   times both in the same run: one commit, one machine state, no ratio across runs.
 - dropout (mode fwdbwd, the dropout preset): dense, d64 and d128, S = 1k, 4k, 16k, causal and not, each at
   dropout_p 0 and 0.1 in the same run, so that dropout's cost is read on the same kernels.
-Without a GPU the same sweeps run at toy sizes through the Triton interpreter.
+- sinks (modes fwd, fwdbwd, the sinks preset): gpt-oss's attention, 64 query / 8 KV heads at d64 (hidden 4096;
+  32 / 8 at d128), 16k tokens, S = 4k and 16k, causal, each with and without a learnable sink in the same run.
+- mla (modes fwd, fwdbwd, the mla preset): DeepSeek's MLA prefill, head dim 192 with v head dim 128, 16 heads
+  (2048 // 128), 16k tokens, S = 4k and 16k, causal and not; mla-baseline beside it in the same run: dense d128
+  at the same heads, tokens and lengths, the shape the (192, 128) kernels are compared with.
+- d512 (modes fwd, fwdbwd, the d512 preset): head dims 256 and 512 (hidden 2048: 8 and 4 heads), 16k tokens,
+  S = 4k and 16k, causal and not.
+- mla-decode (mode decode, the mla-decode preset): DeepSeek's absorbed MLA decode, 128 query heads on one
+  576-wide latent KV head whose first 512 channels are V (Case.absorbed), one query token, batch 16, 32 and 64
+  against caches of 4k…32k tokens, contiguous and 64-token pages; read as TB/s of the cache.
+Without a GPU the same sweeps run at toy sizes through the Triton interpreter (the mla-decode and d512 twins keep
+their real head dims, 576/512 and 512, at a few tokens and heads).
 
 What this module does not do: allocate tensors (inputs.py) or count FLOPs (metrics.py).
 """
@@ -48,6 +59,10 @@ PRESETS = {
     "varlen": (("varlen", "varlen"), ("fwd", "varlen-baseline"), ("varlenbwd", "varlen"),
                ("fwdbwd", "varlen-baseline")),
     "dropout": (("fwdbwd", "dropout"),),
+    "sinks": (("fwd", "sinks"), ("fwdbwd", "sinks")),
+    "mla": (("fwd", "mla"), ("fwd", "mla-baseline"), ("fwdbwd", "mla"), ("fwdbwd", "mla-baseline")),
+    "d512": (("fwd", "d512"), ("fwdbwd", "d512")),
+    "mla-decode": (("decode", "mla-decode"),),
     "all": tuple(MODE_SWEEPS.items()),
 }
 
@@ -59,7 +74,15 @@ DECODE_MIX = (65536, 1024, 8192, 3000, 32768, 1500, 16384, 700, 4096, 12000, 204
 
 @dataclass(frozen=True)
 class Case:
-    """One attention problem in one mode. Layout (B, S, H, D); varlen packs its `seqlens` (q and k equal)."""
+    """One attention problem in one mode. Layout (B, S, H, D), v (B, S, Hk, Dv); varlen packs its `seqlens` (q and
+    k equal).
+
+    An absorbed MLA cache (DeepSeek's decode) is not a field of its own but follows from the shape: a decode case
+    with one KV head and a v head dim below q's (576 and 512) keeps one cache whose first headdim_v channels are
+    V, so v_cache is a view of k_cache (one storage, read once; the bench's decode appends nothing, so there are
+    no new k/v to share it). Such a case cannot ask for a separate V cache of that shape, which no model we time
+    uses.
+    """
 
     mode: str  # one of MODES; fwdbwd and varlenbwd time forward + backward, the others the forward only
     batch: int
@@ -76,6 +99,8 @@ class Case:
     seqlens: tuple[int, ...] = ()  # varlen: per-sequence lengths
     cache_lengths: tuple[int, ...] = ()  # decode: tokens in each sequence's cache (seqlen_k is the capacity)
     dropout_p: float = 0.0  # fwd, fwdbwd and varlen modes; decode has none
+    headdim_v: int = 0  # v's (and the output's) head dim; 0 = headdim
+    sink: bool = False  # a learnable sink per query head (gpt-oss), fp32 values drawn from the inputs' seed
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -84,6 +109,18 @@ class Case:
             raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
         if self.nheads % self.nheads_kv:
             raise ValueError(f"{self.nheads} query heads are not a multiple of {self.nheads_kv} KV heads")
+        if self.headdim_v < 0:
+            raise ValueError(f"headdim_v {self.headdim_v} is negative (0 means headdim)")
+
+    @property
+    def dv(self) -> int:
+        """v's head dim."""
+        return self.headdim_v or self.headdim
+
+    @property
+    def absorbed(self) -> bool:
+        """An absorbed MLA decode cache: V is the first dv channels of the one KV head's K (see the class note)."""
+        return self.mode == "decode" and self.nheads_kv == 1 and self.dv < self.headdim
 
     @property
     def varlen(self) -> bool:
@@ -106,7 +143,8 @@ class Case:
             kv = f"/{self.seqlen_k}" if self.seqlen_k != self.seqlen_q else ""
             shape = f"b{self.batch} s{self.seqlen_q}{kv}"
         heads = f"h{self.nheads}" + (f"/{self.nheads_kv}" if self.nheads_kv != self.nheads else "")
-        parts = [shape, heads, f"d{self.headdim}", self.dtype]
+        dims = f"d{self.headdim}" + (f"/{self.dv}" if self.dv != self.headdim else "")
+        parts = [shape, heads, dims, self.dtype]
         if self.causal:
             parts.append("causal")
         if self.window_size != (-1, -1):
@@ -115,6 +153,10 @@ class Case:
             parts.append(f"softcap {self.softcap:g}")
         if self.dropout_p:
             parts.append(f"dropout {self.dropout_p:g}")
+        if self.sink:
+            parts.append("sink")
+        if self.absorbed:
+            parts.append("absorbed")
         if self.mode == "decode":
             parts.append(f"page {self.page_size}" if self.page_size else "contiguous")
         return " ".join(parts)
@@ -125,6 +167,7 @@ class Case:
         d["window_left"], d["window_right"] = d.pop("window_size")
         d["seqlens"] = list(self.seqlens) or None
         d["cache_lengths"] = list(self.cache_lengths) or None
+        d["absorbed"] = self.absorbed
         return d
 
 
@@ -145,6 +188,8 @@ class Shapes:
     seqlens: tuple[int, ...] = ()  # varlen only
     cache_lengths: tuple[int, ...] = ()  # decode only: one sequence per entry, replacing batch and seqlen_k
     dropout: tuple[float, ...] = (0.0,)
+    head_dim_v: tuple[int, ...] = (0,)  # 0: head_dim
+    sink: tuple[bool, ...] = (False,)
 
 
 GPU_SHAPES = {
@@ -158,6 +203,13 @@ GPU_SHAPES = {
     "varlen": Shapes(head_dim=(128,), seqlens=VARLEN_MIX),
     "varlen-baseline": Shapes(head_dim=(128,), seqlen_q=(1024, 2048, 4096)),
     "dropout": Shapes(head_dim=(64, 128), seqlen_q=(1024, 4096, 16384), dropout=(0.0, 0.1)),
+    "sinks": Shapes(head_dim=(64, 128), seqlen_q=(4096, 16384), hidden=4096, kv_heads=(8,), causal=(True,),
+                    sink=(False, True)),
+    "mla": Shapes(head_dim=(192,), head_dim_v=(128,), seqlen_q=(4096, 16384), heads=(16,)),
+    "mla-baseline": Shapes(head_dim=(128,), seqlen_q=(4096, 16384)),
+    "d512": Shapes(head_dim=(256, 512), seqlen_q=(4096, 16384)),
+    "mla-decode": Shapes(head_dim=(576,), head_dim_v=(512,), seqlen_k=(4096, 8192, 16384, 32768), batch=(16, 32, 64),
+                         heads=(128,), kv_heads=(1,), causal=(True,), page_size=(0, 64)),
 }
 # Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU, so `flashtile bench` without a
 # GPU runs one small case per mode and mask (about half a minute on two cores).
@@ -172,28 +224,39 @@ CPU_SHAPES = {
     "varlen": Shapes(head_dim=(64,), seqlens=(40, 17, 64), heads=(2,)),
     "varlen-baseline": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,)),
     "dropout": Shapes(head_dim=(64,), seqlen_q=(64,), batch=(1,), heads=(2,), causal=(True,), dropout=(0.0, 0.1)),
+    # The model shapes' twins, a few seconds a preset: head dims 512 and 576/512 kept (tiles, and with them the
+    # kernels, depend on them; a 512-wide tile row is as cheap to interpret as a narrow one), 192/128 shrunk to
+    # 32/16, which keeps what is being timed, a v narrower than q.
+    "sinks": Shapes(head_dim=(64,), seqlen_q=(32,), batch=(1,), heads=(2,), kv_heads=(1,), causal=(True,),
+                    sink=(False, True)),
+    "mla": Shapes(head_dim=(32,), head_dim_v=(16,), seqlen_q=(32,), batch=(1,), heads=(2,)),
+    "mla-baseline": Shapes(head_dim=(16,), seqlen_q=(32,), batch=(1,), heads=(2,)),
+    "d512": Shapes(head_dim=(256, 512), seqlen_q=(16,), batch=(1,), heads=(1,)),
+    "mla-decode": Shapes(head_dim=(576,), head_dim_v=(512,), seqlen_k=(40,), batch=(2,), heads=(8,), kv_heads=(1,),
+                         causal=(True,), page_size=(0, 16)),
 }
 
 
 def preset_runs(preset: str, modes=None) -> list[tuple[str, str]]:
     """The (mode, sweep) runs of `preset`, or of `modes` in its place.
 
-    A mode the preset runs keeps the preset's sweep (`--preset varlen --mode fwd` is the varlen baseline, not
-    the papers' sweep); any other runs over its own, MODE_SWEEPS.
+    A mode the preset runs keeps the preset's sweeps, all of them (`--preset varlen --mode fwd` is the varlen
+    baseline, not the papers' sweep; `--preset mla --mode fwd` is MLA's forward and its d128 baseline); any other
+    runs over its own, MODE_SWEEPS.
     """
     runs = PRESETS[preset]
     if modes is None:
         return list(runs)
     if bad := [m for m in modes if m not in MODES]:
         raise ValueError(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
-    sweeps = dict(runs)
-    return [(m, sweeps.get(m, MODE_SWEEPS[m])) for m in modes]
+    return [run for m in modes for run in [r for r in runs if r[0] == m] or [(m, MODE_SWEEPS[m])]]
 
 
 def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1),
                 softcap=0.0, dropout_p=None) -> list[Case]:
     """Every case of `runs`, (mode, sweep) pairs, in order: run, head dim, causal, (query length, page size),
-    the rest. `dropout_p` replaces the sweeps' dropout axis.
+    the rest, sink last (so a case with a sink follows the same case without). `dropout_p` replaces the sweeps'
+    dropout axis.
     """
     cases = []
     for mode, sweep in runs:
@@ -203,15 +266,16 @@ def build_cases(runs, shapes: dict[str, Shapes], dtype: str, window_size=(-1, -1
         seqlen_q = (max(seqlens),) if seqlens else s.seqlen_q
         pages = s.page_size if mode == "decode" else (0,)
         axes = itertools.product(
-            s.head_dim, s.causal, seqlen_q, pages, s.seqlen_k or (None,), s.batch or (None,),
-            s.heads or (None,), s.kv_heads or (None,), s.dropout,
+            s.head_dim, s.head_dim_v, s.causal, seqlen_q, pages, s.seqlen_k or (None,), s.batch or (None,),
+            s.heads or (None,), s.kv_heads or (None,), s.dropout, s.sink,
         )
-        for d, causal, sq, page, sk, b, h, hk, p in axes:
+        for d, dv, causal, sq, page, sk, b, h, hk, p, sink in axes:
             sk = sq if seqlens or sk is None else sk
             sk = max(lengths) if lengths else sk
             h = h or max(1, s.hidden // d)
             b = len(seqlens or lengths) or b or max(1, s.tokens // (sk if mode == "decode" else sq))
             cases.append(Case(mode, b, sq, sk, h, hk or h, d, dtype, causal, tuple(window_size), softcap,
                               page, seqlens, lengths,
-                              0.0 if mode == "decode" else dropout_p if dropout_p is not None else p))
+                              0.0 if mode == "decode" else dropout_p if dropout_p is not None else p,
+                              headdim_v=0 if dv == d else dv, sink=sink))
     return cases

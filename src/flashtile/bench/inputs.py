@@ -8,6 +8,11 @@ them: no repetition can read a cache the one before left in L2. (timing.py's do_
 repetitions; the rotation keeps decode honest under a timer that replays calls back to back, like CUDA
 graphs.)
 
+v (and dout) have v's head dim, which may differ from q's (MLA). An absorbed MLA decode case (Case.absorbed) gets
+one cache per copy, v a view of its first channels, as DeepSeek's kernels read it; paging keeps the view. A case
+with a sink gets fp32 sink logits, drawn after everything else, so the same case with and without a sink sees the
+same q, k and v.
+
 What this module does not do: choose shapes (cases.py) or time anything.
 """
 
@@ -29,10 +34,11 @@ DEFAULT_L2_BYTES = 60 * 2**20  # the H100/H200 L2, for devices that do not repor
 @dataclass
 class Inputs:
     q: torch.Tensor  # (B, Sq, H, D); varlen: (total, H, D)
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # (k, v): (B, Sk, Hk, D) or (total, Hk, D); decode: copies
-    dout: torch.Tensor | None = None  # like q; fwdbwd and varlenbwd only
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # (k, v): (B, Sk, Hk, D or Dv) or (total, Hk, ...); decode: copies
+    dout: torch.Tensor | None = None  # like the output (q with Dv); fwdbwd and varlenbwd only
     cu_seqlens: torch.Tensor | None = None  # varlen: (n + 1,) int32, for q and k alike
     cache_seqlens: torch.Tensor | None = None  # decode: (B,) int32
+    sink: torch.Tensor | None = None  # (H,) fp32 learnable sink logits, when the case has them
 
     @property
     def k(self) -> torch.Tensor:
@@ -55,49 +61,66 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     gen = torch.Generator(device).manual_seed(seed)
     dtype = DTYPES[case.dtype]
 
-    def randn(*shape):
+    def randn(*shape, dtype=dtype):
         return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-    h, hk, d = case.nheads, case.nheads_kv, case.headdim
+    def sink():  # drawn last: the same case without a sink sees the same q, k, v and dout
+        return randn(case.nheads, dtype=torch.float32) if case.sink else None
+
+    h, hk, d, dv = case.nheads, case.nheads_kv, case.headdim, case.dv
     if case.varlen:
         total = sum(case.seqlens)
         offsets = [0, *torch.tensor(case.seqlens).cumsum(0).tolist()]
         cu = torch.tensor(offsets, dtype=torch.int32, device=device)
         q = randn(total, h, d)
-        kv = [(randn(total, hk, d), randn(total, hk, d))]
-        return Inputs(q, kv, randn(*q.shape) if case.backward else None, cu_seqlens=cu)
+        kv = [(randn(total, hk, d), randn(total, hk, dv))]
+        dout = randn(total, h, dv) if case.backward else None
+        return Inputs(q, kv, dout, cu_seqlens=cu, sink=sink())
     q = randn(case.batch, case.seqlen_q, h, d)
-    kv_shape = (case.batch, case.seqlen_k, hk, d)
-    kv = [(randn(*kv_shape), randn(*kv_shape)) for _ in range(kv_copies(case, device))]
+    kv_shape = (case.batch, case.seqlen_k, hk)
+    if case.absorbed:
+        kv = [(k, k[..., :dv]) for k in (randn(*kv_shape, d) for _ in range(kv_copies(case, device)))]
+    else:
+        kv = [(randn(*kv_shape, d), randn(*kv_shape, dv)) for _ in range(kv_copies(case, device))]
     for b, n in enumerate(case.cache_lengths):  # mixed decode: a read past a cache's length shows as NaN
         for k, v in kv:
             k[b, n:] = float("nan")
             v[b, n:] = float("nan")
-    dout = randn(*q.shape) if case.backward else None
+    dout = randn(case.batch, case.seqlen_q, h, dv) if case.backward else None
     cache_seqlens = None
     if case.mode == "decode":
         lengths = case.cache_lengths or (case.seqlen_k,) * case.batch
         cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    return Inputs(q, kv, dout, cache_seqlens=cache_seqlens)
+    return Inputs(q, kv, dout, cache_seqlens=cache_seqlens, sink=sink())
+
+
+def is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether v is k[..., :n]: the same storage, offset and strides, fewer channels (an absorbed MLA cache)."""
+    return (v.data_ptr() == k.data_ptr() and v.shape[:-1] == k.shape[:-1] and v.stride() == k.stride()
+            and v.shape[-1] <= k.shape[-1])
 
 
 def paginate(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int = 0):
     """A contiguous cache (B, L, Hk, D) as pages (num_pages, page_size, Hk, D) and a block table (B, L/page).
 
-    Pages are placed in a random order, so logically adjacent pages are not physically adjacent (as in a
-    serving cache). The tail of a partly filled last page is NaN: a kernel that reads past cache_seqlens fails
-    --refcheck.
+    v has its own head dim. Pages are placed in a random order, so logically adjacent pages are not physically
+    adjacent (as in a serving cache). The tail of a partly filled last page is NaN: a kernel that reads past
+    cache_seqlens fails --refcheck. A v that is a view of k's first channels (an absorbed MLA cache) stays one:
+    its pages are the same view of k's pages.
     """
-    b, seqlen, hk, d = k.shape
+    b, seqlen, hk, _ = k.shape
     per_seq = math.ceil(seqlen / page_size)
     perm = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(seed)).to(k.device)
     block_table = perm.view(b, per_seq).to(torch.int32)
 
     def to_pages(x):
+        d = x.shape[-1]
         padded = x.new_full((b, per_seq * page_size, hk, d), float("nan"))
         padded[:, :seqlen] = x
         pages = torch.empty_like(padded).view(b * per_seq, page_size, hk, d)
         pages[perm] = padded.view(b * per_seq, page_size, hk, d)
         return pages
 
-    return to_pages(k), to_pages(v), block_table
+    k_pages = to_pages(k)
+    v_pages = k_pages[..., :v.shape[-1]] if is_prefix_view(v, k) else to_pages(v)
+    return k_pages, v_pages, block_table

@@ -1,9 +1,9 @@
 """`--plot PATH`: results as a PNG of grouped bar charts, in the style of the FlashAttention papers' figures.
 
-One panel per mode × head dim × causal (decode: per query count × page size), one group of bars per sequence
+One panel per mode × head dims × causal (decode: per query count × page size), one group of bars per sequence
 length (decode: batch × KV length; varlen: the mix), one bar per backend in a colour that is the same in every
-panel, its value printed on top. Speed is TFLOP/s, or TB/s of K and V read in decode. Bars of a backend that
-failed --refcheck are hatched; unsupported backends leave a gap.
+panel, its value printed on top; cases with sinks get panels of their own. Speed is TFLOP/s, or TB/s of K and V
+read in decode. Bars of a backend that failed --refcheck are hatched; unsupported backends leave a gap.
 
 matplotlib is an optional dependency (the `bench` extra) and is imported only here, only when plotting.
 """
@@ -21,10 +21,10 @@ def _short(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def _panel(r: dict) -> tuple[tuple, int, str, str]:
+def _panel(r: dict) -> tuple[tuple, object, str, str]:
     """(grid row key, grid column key, title, x-axis label) of the panel a result row belongs to.
 
-    Grid rows are mode × causal (decode: query count); columns are head dims (decode: page sizes).
+    Grid rows are mode × causal (decode: query count); columns are (head dim, v head dim) (decode: page sizes).
     """
     extras = [r["dtype"]]
     if r["window_left"] != -1 or r["window_right"] != -1:
@@ -33,16 +33,21 @@ def _panel(r: dict) -> tuple[tuple, int, str, str]:
         extras.append(f"softcap {r['softcap']:g}")
     if r.get("dropout_p"):
         extras.append(f"dropout {r['dropout_p']:g}")
+    if r.get("sink"):
+        extras.append("sink")
+    if r.get("absorbed"):
+        extras.append("absorbed")
+    dims = f"{r['headdim']}" + (f"/{r['headdim_v']}" if r.get("headdim_v") not in (None, 0, r["headdim"]) else "")
     if r["mode"] == "decode":
         q = f"{r['seqlen_q']} query token" + ("s" if r["seqlen_q"] > 1 else "")
         page = f"page size {r['page_size']}" if r["page_size"] else "contiguous cache"
         heads = f"heads {r['nheads']}/{r['nheads_kv']}"
-        title = f"Decode, {q}, {page}, {heads}, d{r['headdim']}, {', '.join(extras)}"
-        return ("decode", r["seqlen_q"], r["headdim"], *extras), r["page_size"], title, "batch × KV length"
+        title = f"Decode, {q}, {page}, {heads}, d{dims}, {', '.join(extras)}"
+        return ("decode", r["seqlen_q"], dims, *extras), r["page_size"], title, "batch × KV length"
     mask = "causal" if r["causal"] else "not causal"
-    title = f"{MODE_TITLES[r['mode']]}, head dim {r['headdim']}, {mask}, {', '.join(extras)}"
+    title = f"{MODE_TITLES[r['mode']]}, head dim {dims}, {mask}, {', '.join(extras)}"
     xlabel = "sequences" if r["mode"] in VARLEN_MODES else "sequence length"
-    return (r["mode"], r["causal"], *extras), r["headdim"], title, xlabel
+    return (r["mode"], r["causal"], *extras), (r["headdim"], r.get("headdim_v") or 0), title, xlabel
 
 
 def _group(r: dict) -> str:
@@ -91,7 +96,7 @@ def plot(path: str, env: dict, rows: list[dict]) -> None:
 
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     colours = {b: plt.get_cmap("tab10")(i % 10) for i, b in enumerate(backends)}
-    grid: dict[tuple, dict[int, tuple]] = {}  # row key -> column key -> (title, xlabel, groups)
+    grid: dict[tuple, dict[object, tuple]] = {}  # row key -> column key -> (title, xlabel, groups)
     for r in rows:
         if r["status"] == "ok":
             row_key, col_key, title, xlabel = _panel(r)

@@ -6,7 +6,8 @@ would hold more than REF_MAX_SCORES scores. So a 16k-token case checks in millis
 ends of the batch and head ranges are looked at. A backend passes by the rule the tests use
 (flashtile.testing.check_close): max |out − ref| ≤ FACTOR · max |PyTorch's same math in the input dtype − ref|
 + a rounding-sized atol. A failure is reported as MISMATCH beside the backend's time; it does not stop the run
-or hide the row.
+or hide the row. Sinks (the checked heads' own logits) and a v head dim of its own go to the reference as they
+go to the backends; an absorbed MLA cache's v is already the view of its k.
 
 What this module does not do: run backends (run.py) or check gradients (the test suite does).
 """
@@ -76,6 +77,8 @@ def build_reference(case: Case, inputs: Inputs) -> Reference | None:
     batches, q_heads, kv_heads = slices
     kw = {"causal": case.causal, "window_size": case.window_size, "softcap": case.softcap}
     q_idx = torch.tensor(q_heads, device=inputs.q.device)
+    if case.sink:
+        kw["learnable_sink"] = inputs.sink[q_idx]
     kv_idx = torch.tensor(kv_heads, device=inputs.q.device)
     keys = [None] * len(batches)  # how many cached keys each selection sees; None: all
     if case.seqlens:
