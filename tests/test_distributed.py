@@ -224,6 +224,17 @@ def test_varlen_bad_arguments():
         ring_flash_attn_varlen_func(q, q[:8], q[:8], cu, 6)
 
 
+def test_shards_of_the_wrong_rank_refused():
+    dense, packed = torch.zeros(1, 4, 2, 16), torch.zeros(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k must be a 4-d tensor \(batch, seqlen_local"):
+        ring_flash_attn_func(dense, packed, dense)
+    with pytest.raises(ValueError, match=r"q must be a 3-d tensor \(total_local"):
+        ring_flash_attn_varlen_func(dense, packed, packed, cu, 4)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ring_flash_attn_varlen_func(packed, packed, packed, cu, 4, deterministic=1)
+
+
 def test_zigzag_window_refused():
     q = torch.zeros(1, 4, 2, 16)
     with pytest.raises(NotImplementedError, match="window_size with zigzag=True"):

@@ -152,6 +152,15 @@ def _shard_index(cu: torch.Tensor, rank: int, world_size: int, zigzag: bool) -> 
     return _runs(starts, size.repeat_interleave(len(chunks)))
 
 
+def _check_shards(q, k, v, deterministic, layout: str) -> None:
+    """The checks both ring functions make before the ring starts: q, k and v tensors of the layout's rank."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != layout.count(",") + 1:
+            raise ValueError(f"{name} must be a {layout.count(',') + 1}-d tensor {layout}")
+
+
 def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
                          group=None, *, zigzag=False):
     """Attention of a sequence sharded across the ranks of `group` (default: the world), each rank passing its
@@ -168,11 +177,7 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=
     if zigzag and window != ((-1, 0) if causal else (-1, -1)):
         raise NotImplementedError("ring_flash_attn_func: window_size with zigzag=True (a sliding window is "
                                   "load-balanced in the contiguous layout: pass zigzag=False)")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-d tensor (batch, seqlen_local, nheads, headdim)")
+    _check_shards(q, k, v, deterministic, "(batch, seqlen_local, nheads, headdim)")
     if zigzag and q.shape[1] % 2:
         raise ValueError(f"zigzag shards hold two equal chunks: seqlen_local must be even, got {q.shape[1]}")
     if q.shape[1] != k.shape[1]:
@@ -208,11 +213,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, softmax_scale=N
             "ring_flash_attn_varlen_func: window_size (a sliding window): rank r's queries sit (r - src) x the "
             "local length ahead of rank src's keys, another offset in each sequence, and one varlen call applies "
             "one window to all of them; pad the sequences to one length and use ring_flash_attn_func")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-d tensor (total_local, nheads, headdim)")
+    _check_shards(q, k, v, deterministic, "(total_local, nheads, headdim)")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must hold the same tokens of the batch, got {q.shape[0]} and {k.shape[0]}")
     # Every argument checked here, before the ring starts, rather than by the first step's kernel call.
