@@ -465,7 +465,7 @@ def test_other_backends_refuse_what_they_cannot_run():
     inputs = make_inputs(case, CPU)
     row = bench_run.run_backend(case, inputs, BACKENDS["sdpa-math"], CPU, None, 10)
     assert row["status"] == "unsupported: SDPA has no learnable sinks"
-    for name in ("fa2", "fa4", "flex", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
+    for name in ("fa2", "flex", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
         with pytest.raises(Unsupported, match="sink"):
             BACKENDS[name].setup(case, inputs)
     mla = _cpu_case("fwd", headdim=32, headdim_v=16)
@@ -474,6 +474,22 @@ def test_other_backends_refuse_what_they_cannot_run():
     wide = _cpu_case("fwd", headdim=512, seqlen_q=8, seqlen_k=8)
     with pytest.raises(Unsupported, match="up to 256"):
         BACKENDS["fa2"].setup(wide, make_inputs(wide, CPU))
+
+
+def test_fa4_gets_the_sink(monkeypatch):
+    """FlashAttention-4's flash_attn_func takes learnable_sink: the bench hands it the case's sink logits."""
+    from flashtile.bench import backends
+    seen = []
+
+    def func(q, k, v, **kw):
+        seen.append(kw)
+        return q, None
+
+    monkeypatch.setattr(backends, "_api", lambda module, *names: [func, func])
+    case = _cpu_case("fwd", sink=True)
+    inputs = make_inputs(case, CPU)
+    BACKENDS["fa4"].setup(case, inputs).run()
+    assert seen and seen[-1]["learnable_sink"] is inputs.sink and inputs.sink.dtype == torch.float32
 
 
 def test_sdpa_math_takes_a_v_head_dim_of_its_own():

@@ -16,7 +16,7 @@ unsupported, not an error.
 The backward modes (fwdbwd, varlenbwd) go through each backend's autograd from the same random dout; a backend
 whose backward raises NotImplementedError for the case is reported unsupported, like a missing feature. A case
 with dropout_p > 0 runs on the backends that take dropout (flashtile, fa2, SDPA's flash, efficient and math).
-Learnable sinks run on flashtile alone (the others refuse them: none has them, or they are not wired up here). A
+Learnable sinks run on flashtile and FlashAttention-4 (its `learnable_sink`); the others refuse them. A
 v head dim other than q's is given to every backend but fa2, which has none; those that cannot take it (SDPA's
 flash kernel, say) refuse it themselves, and the row says what they said. An absorbed MLA decode cache is passed
 as it is, v_cache a view of k_cache; a backend that needs its own layout copies it in setup, untimed.
@@ -144,11 +144,12 @@ def _setup_fa4(case: Case, inputs: Inputs) -> Prepared:
     """FlashAttention-4 (CuTe DSL): an unbounded window side is None rather than -1; it returns (out, lse)."""
     if case.dropout_p:
         raise Unsupported("FlashAttention-4 has no dropout")
-    _refuse_sink(case, "FlashAttention-4")
     func, varlen_func = _api("flash_attn.cute", "flash_attn_func", "flash_attn_varlen_func")
     kw = {"causal": case.causal, "window_size": tuple(None if w < 0 else w for w in case.window_size)}
     if case.softcap:
         kw["softcap"] = case.softcap
+    if case.sink:  # FA4's own keyword (gpt-oss); a build whose kernels lack it fails the case, as a row says
+        kw["learnable_sink"] = inputs.sink
     cu, n = inputs.cu_seqlens, case.seqlen_q
 
     def dense(q, k, v):
