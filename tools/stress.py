@@ -1,8 +1,9 @@
 """Multi-process stress run on one GPU: several processes draw random problems (dense, packed, varlen, KV-cache;
-dtypes, head dims, lengths, masks, softcap, ALiBi, GQA) and run each one's backward repeatedly on one graph,
-checking the first result against the fp64 oracle (flashtile.testing's 2x-PyTorch-error rule) and every rerun
-bitwise against the first. Races between kernels, and between processes sharing the GPU, show only under such
-load: this is how a flash-attn-style matrix found the backward's illegal memory access at head dims above 128.
+dtypes, head dims to 512, lengths, masks, softcap, ALiBi, GQA; the dense ones also dropout, sinks, chunks and a v
+head dim of their own) and run each one's backward repeatedly on one graph, checking the first result against the
+fp64 oracle (flashtile.testing's 2x-PyTorch-error rule) and every rerun bitwise against the first. Races between
+kernels, and between processes sharing the GPU, show only under such load: this is how a flash-attn-style matrix
+found the backward's illegal memory access at head dims above 128.
 
     PYTHONPATH=src python tools/stress.py --minutes 5 --procs 8 [--reruns 20] [--json stress.json]
 
@@ -42,7 +43,12 @@ def _case(rng: random.Random, kinds: list[str]) -> dict:
     if kind in ("dense", "qkvpacked"):
         case.update(batch=rng.randint(1, 4), seqlen_q=rng.choice(LENGTHS), seqlen_k=rng.choice(LENGTHS),
                     dropout=rng.choice([0.0, 0.0, 0.0, 0.15]) if kind == "dense" else 0.0,
-                    sink=kind == "dense" and rng.random() < 0.25)
+                    sink=kind == "dense" and rng.random() < 0.25,
+                    chunk=rng.choice([0, 0, 0, 64, 200]) if kind == "dense" else 0,
+                    head_dim_v=rng.choice([0, 0, 0, 64, 128]) if kind == "dense" else 0)
+        if kind == "dense" and rng.random() < 0.05:  # head dim 512 (Gemma 4's global layers): small tiles
+            case.update(head_dim=512, head_dim_v=0, seqlen_q=min(case["seqlen_q"], 513),
+                        seqlen_k=min(case["seqlen_k"], 513))
         if kind == "qkvpacked":
             case.update(seqlen_k=case["seqlen_q"], nheads_kv=case["nheads"])
     elif kind == "varlen_short":
@@ -116,9 +122,12 @@ def _run(case: dict, reruns: int) -> None:
             kw["dropout_p"] = case["dropout"]
         if case.get("sink"):
             kw["learnable_sink"] = torch.randn(h, device="cuda", generator=g) * 2
-        q, k, v = randn(case["batch"], case["seqlen_q"], h, d), *(randn(case["batch"], case["seqlen_k"], hk, d)
-                                                                 for _ in range(2))
-        _dense_check(torch, flashtile, testing, q, k, v, randn(*q.shape), kw, reruns)
+        if case.get("chunk"):
+            kw["attention_chunk"] = case["chunk"]
+        dv = case.get("head_dim_v") or d
+        q, k = randn(case["batch"], case["seqlen_q"], h, d), randn(case["batch"], case["seqlen_k"], hk, d)
+        v = randn(case["batch"], case["seqlen_k"], hk, dv)
+        _dense_check(torch, flashtile, testing, q, k, v, randn(*q.shape[:-1], dv), kw, reruns)
     elif case["kind"] == "qkvpacked":
         qkv = randn(case["batch"], case["seqlen_q"], 3, h, d).requires_grad_()
         dout = randn(case["batch"], case["seqlen_q"], h, d)
