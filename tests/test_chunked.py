@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.testing import attention_ref, check_attention, check_close, kvcache_inputs, nan_guarded
+from flashtile.testing import attention_ref, check_attention, check_close, kvcache_inputs, nan_guarded, varlen_inputs
 
 
 def chunk_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, chunk, seed=0, **kw):
@@ -48,14 +48,8 @@ def test_chunks_with_other_features(device):
 
 def test_chunks_varlen(device):
     """flash_attn_varlen_func: positions, and so chunks, count from each sequence's own start."""
-    g = torch.Generator().manual_seed(5)
     lens_q, lens_k = [20, 1, 45, 0], [33, 17, 45, 4]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
-                  for x in (lens_q, lens_k))
-    q = nan_guarded((sum(lens_q), 2, 32), torch.float16, device, g)
-    k = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
-    v = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
-    dout = torch.randn(sum(lens_q), 2, 32, generator=g).to(device, torch.float16)
+    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, 2, 2, seed=5)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, 45, 45, causal=True, attention_chunk=10)
     grads = torch.autograd.grad(out, inputs, dout)

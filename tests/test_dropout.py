@@ -12,7 +12,7 @@ import triton.language as tl
 
 import flashtile
 from flashtile.kernels.dropout import keep_mask
-from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded
+from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, varlen_inputs
 
 P = 0.17
 
@@ -87,12 +87,7 @@ def test_dropout_varlen_and_packed(device):
     entries in its top-left corner, checked per sequence; the qkv-packed form too."""
     g = torch.Generator().manual_seed(5)
     lens_q, lens_k = [20, 1, 45], [33, 17, 45]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
-                  for x in (lens_q, lens_k))
-    q = nan_guarded((sum(lens_q), 4, 32), torch.float16, device, g)
-    k = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
-    v = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
-    dout = torch.randn(sum(lens_q), 4, 32, generator=g).to(device, torch.float16)
+    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, 4, 2, seed=5)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse, s_dmask = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, 45, 45, dropout_p=0.3, causal=True,
                                                          return_attn_probs=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.testing import accumulation_floor, attention_ref, check_close, kvcache_inputs, nan_guarded
+from flashtile.testing import accumulation_floor, attention_ref, check_close, kvcache_inputs, nan_guarded, varlen_inputs
 
 
 def _sink(nheads, dtype=torch.float32, device="cpu", seed=0):
@@ -127,15 +127,9 @@ def test_rows_that_see_no_key_give_zero_and_the_sink_as_lse(device):
 def test_sink_varlen_and_packed(device):
     """flash_attn_varlen_func with a sink, per sequence against the reference (a zero-length sequence too); and
     the qkv-packed entry points."""
-    g = torch.Generator().manual_seed(6)
     lens_q, lens_k = [20, 0, 1, 45], [33, 5, 17, 45]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
-                  for x in (lens_q, lens_k))
-    q = nan_guarded((sum(lens_q), 4, 32), torch.float16, device, g)
-    k = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
-    v = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
+    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, 4, 2, seed=6)
     sink = _sink(4, device=device, seed=6).requires_grad_()
-    dout = torch.randn(sum(lens_q), 4, 32, generator=g).to(device, torch.float16)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse, _ = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, 45, 45, causal=True, learnable_sink=sink,
                                                    return_attn_probs=True)
@@ -165,7 +159,8 @@ def test_sink_varlen_and_packed(device):
         pt_dsink += pt_gs.to(torch.float16)
     check_close("dsink", grads[3], ref_dsink, pt_dsink, 3, ref_dsink.abs().max().item(), floor=dsink_floor)
 
-    qkv = torch.randn(2, 24, 3, 2, 32, generator=g).to(device, torch.float16).requires_grad_()
+    qkv = torch.randn(2, 24, 3, 2, 32, generator=torch.Generator().manual_seed(7)).to(device, torch.float16)
+    qkv.requires_grad_()
     sink2 = _sink(2, device=device).requires_grad_()
     out = flashtile.flash_attn_qkvpacked_func(qkv, causal=True, learnable_sink=sink2)
     ref, _ = attention_ref(*(qkv[:, :, i].detach().double() for i in range(3)), causal=True,

@@ -16,7 +16,8 @@ import triton.language as tl
 
 import flashtile
 from flashtile.kernels.seqlen import tile_coords
-from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, op_args
+from flashtile.testing import (accumulation_floor, attention_ref, check_close, cu_seqlens, nan_guarded, op_args,
+                               varlen_inputs)
 
 MASKS = {  # name -> (causal, window_size)
     "none": (False, (-1, -1)),
@@ -26,21 +27,8 @@ MASKS = {  # name -> (causal, window_size)
 }
 
 
-def cu_seqlens(lengths, device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-
-
 def packed(lengths, nheads, head_dim, dtype, device, g) -> torch.Tensor:
     return nan_guarded((sum(lengths), nheads, head_dim), dtype, device, g)
-
-
-def varlen_inputs(device, lens_q, lens_k, nheads=4, nheads_kv=2, head_dim=32, dtype=torch.float16, seed=0):
-    """NaN-guarded packed q, k, v, a random dout, and cu_seqlens_q/k."""
-    g = torch.Generator().manual_seed(seed)
-    q = packed(lens_q, nheads, head_dim, dtype, device, g)
-    k, v = (packed(lens_k, nheads_kv, head_dim, dtype, device, g) for _ in range(2))
-    dout = torch.randn(sum(lens_q), nheads, head_dim, generator=g).to(device, dtype)
-    return q, k, v, dout, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
 
 
 def reference(q, k, v, lens_q, lens_k, used_q=None, used_k=None, alibi_slopes=None, upcast=True, dout=None,

@@ -195,6 +195,22 @@ def nan_guarded(shape, dtype, device="cpu", generator=None, pad_last: int = 8) -
     return view
 
 
+def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
+    """The int32 cumulative offsets [0, l0, l0 + l1, ...] of a packed batch of these lengths."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def varlen_inputs(device, lens_q, lens_k, nheads=4, nheads_kv=2, head_dim=32, dtype=torch.float16, seed=0):
+    """A packed batch of sequences lens_q x lens_k: NaN-guarded q (sum lens_q, nheads, head_dim), k and v (sum
+    lens_k, nheads_kv, head_dim), a random dout like q, and cu_seqlens_q/k; drawn in that order from one
+    generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    q = nan_guarded((sum(lens_q), nheads, head_dim), dtype, device, g)
+    k, v = (nan_guarded((sum(lens_k), nheads_kv, head_dim), dtype, device, g) for _ in range(2))
+    dout = torch.randn(sum(lens_q), nheads, head_dim, generator=g).to(device, dtype)
+    return q, k, v, dout, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+
+
 def check_attention(q, k, v, dout, **kw) -> None:
     """flash_attn_func's output, lse and gradients for (q, k, v, dout) against the fp64 oracle: within 2x (output,
     lse) or 3x (gradients) of PyTorch's own error doing the same math in the input dtype, plus the accumulation
