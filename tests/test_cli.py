@@ -232,12 +232,16 @@ def test_info_text_and_json(capsys):
     assert cli.main(["info", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     rows = record["coverage"]["rows"]
-    assert {r["feature"] for r in rows} == {"dense", "causal/window", "softcap/alibi", "varlen", "paged"}
+    assert {r["feature"] for r in rows} == {"dense", "causal/window", "softcap/alibi", "varlen", "learnable sink",
+                                           "attention chunk", "dropout", "paged"}
     assert {r["dtype"] for r in rows} == {"fp16", "bf16", "fp32"}
     by_key = {(r["dtype"], r["head_dim"], r["feature"]): r for r in rows}
     if record["environment"]["gpu"] is None:  # the table describes an sm_90 GPU
         assert by_key[("bf16", 128, "dense")]["path"] == "gluon-sm90"
         assert "softcap" in by_key[("bf16", 128, "softcap/alibi")]["why"]
+        assert by_key[("bf16", 128, "learnable sink")]["path"] == "gluon-sm90"
+        assert "attention_chunk" in by_key[("bf16", 128, "attention chunk")]["why"]
+        assert "dropout" in by_key[("bf16", 128, "dropout")]["why"]
         assert by_key[("fp32", 128, "dense")]["path"] == "triton"
     assert "decode" in by_key[("fp16", 64, "paged")]["tiles"]
 

@@ -9,6 +9,7 @@ import torch
 
 import flashtile
 from flashtile.testing import attention_ref, check_attention, check_close, nan_guarded
+from test_sinks import sink_case, sink_varlen_case
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +30,21 @@ def test_sinks(device, mask, head_dim):
     kw = dict(causal=True) if mask == "causal" else dict(causal=True, window_size=(127, 0))
     # check_attention differentiates q, k and v; the sink's gradient is covered on the CPU tier.
     _case(device, 1500, 8, 2, head_dim, learnable_sink=torch.randn(8, device=device), **kw)
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "varlen"])
+def test_sinks_on_the_hopper_kernels(device, mask):
+    """d128 bf16 with a sink runs the Gluon kernels on an sm_90 GPU: the forward folds the sink into each row's
+    denominator, the backward needs only that LSE, and the sink's gradient comes from the Gluon dQ kernel's delta.
+    out, lse and every gradient, the sink's included, against the reference; then the kernel paths."""
+    if mask == "varlen":
+        sink_varlen_case(device, [700, 1, 129, 1000], [900, 300, 129, 1000], 4, 2, 128, torch.bfloat16)
+    else:
+        kw = dict(causal=True) if mask == "causal" else dict(causal=True, window_size=(127, 0))
+        sink_case(device, 2, 700, 900, 4, 2, 128, torch.bfloat16, **kw)
+    if torch.cuda.get_device_capability() == (9, 0) and flashtile.kernel_paths(
+            *(torch.empty(1, 1, 4, 128, device=device, dtype=torch.bfloat16) for _ in range(3)))["reason"] is None:
+        assert set(flashtile.last_kernel_paths().values()) == {"gluon-sm90"}
 
 
 @pytest.mark.parametrize("chunk", [192, 1000])

@@ -124,20 +124,18 @@ def test_rows_that_see_no_key_give_zero_and_the_sink_as_lse(device):
     assert not dq[:, :67].any()
 
 
-def test_sink_varlen_and_packed(device):
-    """flash_attn_varlen_func with a sink, per sequence against the reference (a zero-length sequence too); and
-    the qkv-packed entry points."""
-    lens_q, lens_k = [20, 0, 1, 45], [33, 5, 17, 45]
-    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, 4, 2, seed=6)
-    sink = _sink(4, device=device, seed=6).requires_grad_()
+def sink_varlen_case(device, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype, seed=6):
+    """flash_attn_varlen_func, causal, with a sink: out, lse and dq, dk, dv per sequence against the reference, and
+    the sink's gradient, which sums over every sequence."""
+    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype, seed)
+    sink = _sink(nheads, device=device, seed=seed).requires_grad_()
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse, _ = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, 45, 45, causal=True, learnable_sink=sink,
-                                                   return_attn_probs=True)
+    out, lse, _ = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                   learnable_sink=sink, return_attn_probs=True)
     grads = torch.autograd.grad(out, [*inputs, sink], dout)
-    # The sink's gradient sums over every sequence: the reference's, sequence by sequence, summed.
-    ref_dsink = torch.zeros(4, dtype=torch.float64, device=device)
-    dsink_floor = torch.zeros(4, dtype=torch.float64, device=device)
-    pt_dsink = torch.zeros(4, dtype=torch.float16, device=device)
+    ref_dsink = torch.zeros(nheads, dtype=torch.float64, device=device)
+    dsink_floor = torch.zeros(nheads, dtype=torch.float64, device=device)
+    pt_dsink = torch.zeros(nheads, dtype=dtype, device=device)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         if sq == 0:
@@ -156,9 +154,13 @@ def test_sink_varlen_and_packed(device):
         for name, ours, ref, pt in zip(("dq", "dk", "dv"), (grads[0][rq], grads[1][rk], grads[2][rk]), ref_g, pt_g):
             check_close(f"{name}[{b}]", ours[None], ref, pt, 3, max(r.abs().max().item() for r in ref_g))
         ref_dsink += ref_gs
-        pt_dsink += pt_gs.to(torch.float16)
+        pt_dsink += pt_gs.to(dtype)
     check_close("dsink", grads[3], ref_dsink, pt_dsink, 3, ref_dsink.abs().max().item(), floor=dsink_floor)
 
+
+def test_sink_varlen_and_packed(device):
+    """flash_attn_varlen_func with a sink (a zero-length sequence too), and the qkv-packed entry points."""
+    sink_varlen_case(device, [20, 0, 1, 45], [33, 5, 17, 45], 4, 2, 32, torch.float16)
     qkv = torch.randn(2, 24, 3, 2, 32, generator=torch.Generator().manual_seed(7)).to(device, torch.float16)
     qkv.requires_grad_()
     sink2 = _sink(2, device=device).requires_grad_()

@@ -44,6 +44,9 @@ FEATURES = {
     "causal/window": dict(),
     "softcap/alibi": dict(softcap=1.0, alibi=True),
     "varlen": dict(),
+    "learnable sink": dict(),
+    "attention chunk": dict(chunk=True),
+    "dropout": dict(dropout=True),
     "paged": dict(paged=True),
 }
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")

@@ -27,8 +27,9 @@ whose rows see only the first half of the last key block computes that block at 
 block]).
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
-(total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows. Not softcap, ALiBi,
-seqused or paged K/V.
+(total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows, learnable sinks
+(HAS_SINK: SINK, fp32 (H,), joins each row's denominator after its last key block, as softmax.fold_sink; the
+backward needs nothing more, its P comes from this LSE). Not softcap, ALiBi, dropout, seqused or paged K/V.
 """
 
 from triton.experimental import gluon
@@ -38,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, publish_item, read_item,
                             ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
-from .masking import LN2, apply_mask, kv_block_range
+from .masking import LN2, LOG2E, apply_mask, kv_block_range
+from .softmax import sink_state
 
 
 @gluon.jit
@@ -207,11 +209,11 @@ def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, b, h, m_start, lo,
+def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, b, h, m_start, lo,
                   full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om,
                   stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                  IS_VARLEN: gl.constexpr):
+                  IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
     A varlen (persistent) consumer leaves its O store in flight, and hands the previous item's Q buffer back
     (free_prev) once its first S of this item is issued.
@@ -275,7 +277,10 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ri
         if IS_VARLEN:
             _free_previous(free_prev, sets, sets.other(qi))
         _pass_over(it0, it0 + n_blocks, k_ring, v_ring, IS_VARLEN)
-    # softmax.finalize's convention: a row that saw no key gives out 0 and lse +inf.
+    if HAS_SINK:  # softmax.fold_sink, the accumulator rescaled in its own layout
+        alpha, l_i, m_i = sink_state(l_i, m_i, gl.load(SINK + h) * LOG2E)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    # softmax.finalize's convention: a row that saw no key (and no sink) gives out 0 and lse +inf.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
@@ -314,20 +319,21 @@ def _free_previous(free_prev, sets, prev):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi,
+def _consumer(c: gl.constexpr, o_desc, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi,
               n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr):
     """A dense program's consumer c: its one item."""
     mbarrier.wait(held.index(c), 0)
-    _consume_item(c, o_desc, None, LSE, q_s, k_s, v_s, None, ring, ring, b, h, m_start, lo, full_lo, full_hi,
+    _consume_item(c, o_desc, None, LSE, SINK, q_s, k_s, v_s, None, ring, ring, b, h, m_start, lo, full_lo, full_hi,
                   n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, 0, 0, 0, c, False, HEAD_DIM, BLOCK_M,
-                  BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
+                  BLOCK_N, MASK_LEFT, MASK_RIGHT, False, HAS_SINK)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, qk_scale,
+def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, qk_scale,
                      stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                     HAS_SINK: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of Q buffers: hopper_common.BufferSets), until one is invalid."""
     it0 = 0
@@ -338,9 +344,10 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k
         valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(sets.info_slot(r))
         if valid:
             lse_off = h.to(gl.int64) * stride_lh + q_row0
-            _consume_item(c, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, 0, h, m_start, lo, full_lo,
+            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, 0, h, m_start, lo, full_lo,
                           full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, qk_scale, stride_om, stride_oh, it0,
-                          sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
+                          sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True,
+                          HAS_SINK)
             it0 += n_blocks
         else:
             done = True
@@ -350,20 +357,21 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, q_s, k_s, v_s, sets, k
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
+def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
                        stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32, seqlen_k: gl.int32,
                        wl: gl.int32, wr: gl.int32, stride_om, stride_oh, n_items: gl.int32, heads: gl.int32,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       LOADER_REGS: gl.constexpr):
+                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
     2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides, TILES, CU_SEQLENS, COUNTER, n_items and heads
     unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is
     one program per SM (at most n_items), persistent over the n_items = heads x tile-list entries work items
     (Note [persistent varlen forward]): TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
     sequences first, and within one the last tile first), COUNTER the items handed out so far (0 at launch: the
-    list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence.
+    list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence; SINK the learnable sinks
+(HAS_SINK; else unused).
 
     Note [persistent varlen forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
     inside the kernel (globaltimer and clock64 at each phase, H200): its start 0.4 µs (0.9 with the
@@ -428,12 +436,12 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         k_ring = Ring(ready, empty, KS)
         v_ring = Ring(v_ready, v_empty, VS)
         gl.warp_specialize([
-            (_varlen_consumer, (0, O, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
+            (_varlen_consumer, (0, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
                                 qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT)),
-            (_varlen_consumer, (1, O, O_PTR, LSE, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
+                                MASK_RIGHT, HAS_SINK)),
+            (_varlen_consumer, (1, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
                                 qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT)),
+                                MASK_RIGHT, HAS_SINK)),
             (_varlen_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES,
                               CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
                               BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
@@ -445,12 +453,12 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, TILES, CU_SEQLENS_Q, CU_SEQLENS_K
         held, ready, empty = ring_barriers(STAGES, 2)
         ring = Ring(ready, empty, STAGES)  # K_j and V_j in one slot
         gl.warp_specialize([
-            (_consumer, (0, O, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
+            (_consumer, (0, O, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
                          lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                         MASK_RIGHT)),
-            (_consumer, (1, O, LSE, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
+                         MASK_RIGHT, HAS_SINK)),
+            (_consumer, (1, O, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
                          lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                         MASK_RIGHT)),
+                         MASK_RIGHT, HAS_SINK)),
             (_loader, (Q, K, V, q_s, k_s, v_s, held, ring, b, h, h // GROUP, m_start, lo, n_blocks, BLOCK_M,
                        BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -35,10 +35,18 @@ def fold_sink(acc, l_i, m_i, sink2):
     it joins the denominator only. That is a learnable attention sink (gpt-oss; FlashAttention-4's learnable_sink):
     o_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink)), and the LSE includes it. A row that saw no key
     then has out 0 and lse = sink; with no sink either it stays empty (finalize's +inf)."""
+    alpha, l_i, m_i = sink_state(l_i, m_i, sink2)
+    return acc * alpha[:, None], l_i, m_i
+
+
+@triton.jit
+def sink_state(l_i, m_i, sink2):
+    """fold_sink's (alpha, l_i, m_i): the row state with the sink joined, and the factor that rescales the rows'
+    accumulator to the new max (the Gluon forward applies it in its accumulator's own layout)."""
     m_new = tl.maximum(m_i, sink2)
     m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # as Note [fully masked rows]
     alpha = tl.math.exp2(m_i - m_new)
-    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink2 - m_new), m_new
+    return alpha, l_i * alpha + tl.math.exp2(sink2 - m_new), m_new
 
 
 @triton.jit

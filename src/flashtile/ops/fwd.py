@@ -119,7 +119,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     if gluon:
         # Note [hopper path] in ops/hopper.py
-        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, plan)
+        hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, plan,
+                   p.learnable_sink)
         record("fwd", HOPPER_PATH)
         return out, lse, plan
     record("fwd", TRITON)

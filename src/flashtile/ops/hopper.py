@@ -3,9 +3,9 @@
 Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
-(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows. Everything else
-(softcap, ALiBi, dropout, learnable sinks, chunked attention, seqused_q/k, paged K/V, other head dims or dtypes, a v
-head dim other than q's, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one
+(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows, learnable
+sinks. Everything else (softcap, ALiBi, dropout, chunked attention, seqused_q/k, paged K/V, other head dims or
+dtypes, a v head dim other than q's, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one
 decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the
 answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward and
 backward ran. FLASHTILE_HOPPER=0 switches the path off.
@@ -55,7 +55,7 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None,
                        paged: bool = False, seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False, sink: bool = False, chunk: bool = False) -> Optional[str]:
+                       dropout: bool = False, chunk: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
     `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the padded ones the kernels see."""
     if env.INTERPRET:
@@ -70,12 +70,12 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     return feature_unsupported(dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused, softcap=softcap,
-                               alibi=alibi, dropout=dropout, sink=sink, chunk=chunk)
+                               alibi=alibi, dropout=dropout, chunk=chunk)
 
 
 def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None, paged: bool = False,
                         seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-                        sink: bool = False, chunk: bool = False) -> Optional[str]:
+                        chunk: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -86,7 +86,7 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
         return f"head_dim_v {head_dim_v} != head_dim {head_dim}: the Gluon kernels take one head dim"
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout"),
-                       (sink, "learnable_sink"), (chunk, "attention_chunk")):
+                       (chunk, "attention_chunk")):
         if cond:
             return f"{what}: not in the Gluon kernels"
     return None
@@ -152,14 +152,15 @@ def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
-        cu_seqlens_k=None, plan: Optional[Plan] = None) -> None:
+        cu_seqlens_k=None, plan: Optional[Plan] = None, learnable_sink: Optional[torch.Tensor] = None) -> None:
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
-    its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py)."""
+    its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py);
+    learnable_sink: fp32 (H,) or None."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
     varlen = cu_seqlens_q is not None
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse,
+                   O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[0] if varlen else None, qk_scale=qk_scale)
     if not varlen:
@@ -177,7 +178,8 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
                       wl=window_left, wr=window_right, stride_om=out.stride(0), stride_oh=out.stride(1),
                       n_items=n_items, heads=nheads)
     launch_named(_hopper_fwd_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, varlen), num_warps=4)
+                 dict(_constexprs(cfg, q, k, window_left, window_right, varlen), HAS_SINK=learnable_sink is not None),
+                 num_warps=4)
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
