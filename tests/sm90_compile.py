@@ -192,7 +192,10 @@ def scenarios():
             ("d128 varlen", lambda: varlen(128, BF16)),
             ("d128 varlen window", lambda: varlen(128, BF16, window_size=(40, 8))),
             ("d128 sink causal", lambda: dense(128, BF16, causal=True, learnable_sink=torch.rand(4))),
-            ("d128 varlen sink window", lambda: varlen(128, BF16, window_size=(40, 8), learnable_sink=torch.rand(4)))]
+            ("d128 varlen sink window", lambda: varlen(128, BF16, window_size=(40, 8), learnable_sink=torch.rand(4))),
+            ("d128 chunk causal", lambda: dense(128, BF16, causal=True, attention_chunk=48)),
+            ("d128 chunk", lambda: dense(128, BF16, h=4, hk=4, attention_chunk=48)),
+            ("d128 varlen chunk causal", lambda: varlen(128, BF16, h=2, hk=2, causal=True, attention_chunk=48))]
     # head_dim_v != head_dim: MLA prefill (192, 128), the pair (128, 64), v wider than q/k, and paged.
     out += [("d192 v128 causal", lambda: dense(192, BF16, dv=128, causal=True)),
             ("d128 v64 varlen everything", lambda: varlen(128, BF16, dv=64, seqused=True, **every)),

@@ -46,27 +46,32 @@ def test_chunks_with_other_features(device):
     check_close("out", out, ref, base, 2)
 
 
-def test_chunks_varlen(device):
-    """flash_attn_varlen_func: positions, and so chunks, count from each sequence's own start."""
-    lens_q, lens_k = [20, 1, 45, 0], [33, 17, 45, 4]
-    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, 2, 2, seed=5)
+def chunk_varlen_case(device, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype, chunk, seed=5):
+    """flash_attn_varlen_func, causal and chunked: out and dq, dk, dv per sequence against the reference."""
+    q, k, v, dout, cu_q, cu_k = varlen_inputs(device, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype, seed)
     inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, 45, 45, causal=True, attention_chunk=10)
+    out = flashtile.flash_attn_varlen_func(*inputs, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                           attention_chunk=chunk)
     grads = torch.autograd.grad(out, inputs, dout)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         if sq == 0:
             continue
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         ref_in = [t[None].detach().double().requires_grad_() for t in (q[rq], k[rk], v[rk])]
-        ref, _ = attention_ref(*ref_in, causal=True, attention_chunk=10)
+        ref, _ = attention_ref(*ref_in, causal=True, attention_chunk=chunk)
         ref_g = torch.autograd.grad(ref, ref_in, dout[None, rq].double())
         pt_in = [t[None].detach().clone().requires_grad_() for t in (q[rq], k[rk], v[rk])]
-        pt, _ = attention_ref(*pt_in, causal=True, attention_chunk=10, upcast=False)
+        pt, _ = attention_ref(*pt_in, causal=True, attention_chunk=chunk, upcast=False)
         pt_g = torch.autograd.grad(pt, pt_in, dout[None, rq])
         check_close(f"out[{b}]", out[None, rq], ref, pt, 2)
         scale = max(r.abs().max().item() for r in ref_g)
         for name, ours, r, p in zip(("dq", "dk", "dv"), (grads[0][rq], grads[1][rk], grads[2][rk]), ref_g, pt_g):
             check_close(f"{name}[{b}]", ours[None], r, p, 3, scale)
+
+
+def test_chunks_varlen(device):
+    """flash_attn_varlen_func: positions, and so chunks, count from each sequence's own start."""
+    chunk_varlen_case(device, [20, 1, 45, 0], [33, 17, 45, 4], 2, 2, 32, torch.float16, 10)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -240,7 +240,7 @@ def test_info_text_and_json(capsys):
         assert by_key[("bf16", 128, "dense")]["path"] == "gluon-sm90"
         assert "softcap" in by_key[("bf16", 128, "softcap/alibi")]["why"]
         assert by_key[("bf16", 128, "learnable sink")]["path"] == "gluon-sm90"
-        assert "attention_chunk" in by_key[("bf16", 128, "attention chunk")]["why"]
+        assert by_key[("bf16", 128, "attention chunk")]["path"] == "gluon-sm90"
         assert "dropout" in by_key[("bf16", 128, "dropout")]["why"]
         assert by_key[("fp32", 128, "dense")]["path"] == "triton"
     assert "decode" in by_key[("fp16", 64, "paged")]["tiles"]

@@ -9,6 +9,7 @@ import torch
 
 import flashtile
 from flashtile.testing import attention_ref, check_attention, check_close, nan_guarded
+from test_chunked import chunk_case, chunk_varlen_case
 from test_sinks import sink_case, sink_varlen_case
 
 pytestmark = pytest.mark.gpu
@@ -50,6 +51,23 @@ def test_sinks_on_the_hopper_kernels(device, mask):
 @pytest.mark.parametrize("chunk", [192, 1000])
 def test_chunked(device, chunk):
     _case(device, 2100, 4, 2, 128, causal=True, attention_chunk=chunk)
+
+
+@pytest.mark.parametrize("case", ["causal", "none", "local", "varlen", "varlen-mha"])
+def test_chunked_on_the_hopper_kernels(device, case):
+    """d128 bf16 chunked attention runs the Gluon kernels on an sm_90 GPU (kv_block_range and apply_mask take the
+    chunk in the forward and dQ, per-key query bounds in dK/dV): chunks ending inside and on the edges of their
+    64- and 128-row tiles, with and without causal, under a window, and varlen (chunks count from each
+    sequence's start); against the reference, then the kernel paths."""
+    if case.startswith("varlen"):
+        heads = (4, 2) if case == "varlen" else (2, 2)
+        chunk_varlen_case(device, [700, 1, 129, 1000], [900, 300, 129, 1000], *heads, 128, torch.bfloat16, 192)
+    else:
+        kw = {"causal": dict(causal=True), "none": {}, "local": dict(causal=True, window_size=(300, -1))}[case]
+        chunk_case(device, 2, 700, 900, 4, 2, 128, torch.bfloat16, 100 if case == "none" else 192, **kw)
+    if torch.cuda.get_device_capability() == (9, 0) and flashtile.kernel_paths(
+            *(torch.empty(1, 1, 4, 128, device=device, dtype=torch.bfloat16) for _ in range(3)))["reason"] is None:
+        assert set(flashtile.last_kernel_paths().values()) == {"gluon-sm90"}
 
 
 @pytest.mark.parametrize("dims", [(192, 128), (128, 64), (64, 128)], ids=lambda d: f"{d[0]}-{d[1]}")

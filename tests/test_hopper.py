@@ -39,7 +39,6 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
     (dict(softcap=30.0), "softcap"),
     (dict(alibi=True), "ALiBi"),
     (dict(dropout=True), "dropout"),
-    (dict(chunk=True), "attention_chunk"),
     (dict(device=torch.device("cpu")), "tensors on cpu"),
 ])
 def test_everything_else_runs_triton_and_says_why(fake_sm90, kw, reason):

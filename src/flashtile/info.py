@@ -45,7 +45,7 @@ FEATURES = {
     "softcap/alibi": dict(softcap=1.0, alibi=True),
     "varlen": dict(),
     "learnable sink": dict(),
-    "attention chunk": dict(chunk=True),
+    "attention chunk": dict(),
     "dropout": dict(dropout=True),
     "paged": dict(paged=True),
 }

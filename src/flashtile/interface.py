@@ -33,7 +33,7 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     if fallback_logging():
         log_fallback(q.device, p.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, paged=p.paged,
                      softcap=p.softcap, alibi=p.alibi, seqused=seqused_q is not None or seqused_k is not None,
-                     dropout=p.dropout_p > 0.0, chunk=p.attention_chunk > 0)
+                     dropout=p.dropout_p > 0.0)
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     # Packed inputs share one head dim; separate ones pad v to its own (head_dim_v).
@@ -136,7 +136,7 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     require_runnable(q)
     reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
         q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, softcap=p.softcap, alibi=p.alibi,
-        dropout=p.dropout_p > 0.0, chunk=p.attention_chunk > 0)
+        dropout=p.dropout_p > 0.0)
     path = TRITON if reason else HOPPER_PATH
     return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
 

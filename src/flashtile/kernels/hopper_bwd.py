@@ -47,7 +47,8 @@ loop per consumer leaves nothing for another loop to define, and costs the edge 
 tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys.
 
 Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
-windows. Not softcap, ALiBi, seqused.
+windows, chunked attention (MASK_CHUNK, `chunk` keys: masking.py's notation); a learnable sink needs nothing here
+(its LSE holds it). Not softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon
@@ -57,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, pass_over, publish_item, read_item,
                             ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
-from .masking import LOG2E, q_block_range
+from .masking import LOG2E, chunk_start, q_block_range
 
 
 @gluon.jit
@@ -101,14 +102,14 @@ def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring,
 
 
 @gluon.jit
-def _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """The query tiles of the program's 2 x BLOCK_N keys from n_start: (lo, n_front, n_mid, n_tiles). Tiles start
     at lo (a multiple of BLOCK_M); the first n_front and those from n_mid on run masked. Those starting in
     [full_lo, full_hi) see every key of the program; of them, the ones that end by seqlen_q need no mask at all, not
     even on their LSE and delta rows."""
     lo, full_lo, full_hi, hi = q_block_range(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, 2 * BLOCK_N,
-                                             MASK_LEFT, MASK_RIGHT)
+                                             MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
     n_front = gl.minimum((full_lo - lo + BLOCK_M - 1) // BLOCK_M, n_tiles)
     n_mid = gl.minimum(gl.maximum(gl.minimum((full_hi - lo + BLOCK_M - 1) // BLOCK_M, (seqlen_q - lo) // BLOCK_M),
@@ -127,9 +128,9 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, la
 
 @gluon.jit
 def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
-                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                   MASK_RIGHT: gl.constexpr):
+                   MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen dK/dV]): it takes the next item from the work
     counter, describes it to the consumers and loads its K and V into its set of buffers (hopper_common.BufferSets),
     once both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the
@@ -145,7 +146,8 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, r
                                                                 2 * BLOCK_N, False, True)
         valid = valid & (w < n_items)
         n_start = pid_n * 2 * BLOCK_N
-        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, chunk, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                   MASK_RIGHT, MASK_CHUNK)
         sets.wait_free(r)
         publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
         if valid:
@@ -162,7 +164,7 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, r
 @gluon.jit
 def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q,
           qk_scale, edge, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv). `edge`: the
     tile is at a masked end of the consumer's range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
@@ -181,17 +183,17 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl
     delta = gl.load(delta_t + offs_m, mask=offs_m < seqlen_q - m_start, other=0.0)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
     s2 = st * qk_scale
-    if MASK_LEFT or MASK_RIGHT:
+    if MASK_LEFT or MASK_RIGHT or MASK_CHUNK:
         if edge:
-            # apply_mask's test (key j visible to query i iff i + diag - wl <= j <= i + diag + wr) with i =
-            # m_start + offs_m, rearranged so that only the per-key bounds move with m_start: comparing a
-            # tile-independent i-expression instead makes LLVM hoist 16 (or 32) per-element values out of the
-            # loop, which spill.
+            # apply_mask's test (key j visible to query i iff i + diag - wl <= j <= i + diag + wr, and j in the
+            # chunk of i + diag) with i = m_start + offs_m, rearranged as per-key bounds on i, kr <= i <= kl, so
+            # that only those bounds move with m_start: comparing a tile-independent i-expression instead makes
+            # LLVM hoist 16 (or 32) per-element values out of the loop, which spill.
             qi = gl.expand_dims(offs_m, 0)
             visible = qi >= 0  # all true
-            if MASK_RIGHT:
+            if MASK_RIGHT or MASK_CHUNK:
                 visible = visible & (qi >= gl.expand_dims(kr - m_start, 1))
-            if MASK_LEFT:
+            if MASK_LEFT or MASK_CHUNK:
                 visible = visible & (qi <= gl.expand_dims(kl - m_start, 1))
             s2 = gl.where(visible, s2, float("-inf"))
     pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
@@ -207,9 +209,9 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl
 @gluon.jit
 def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b,
                   hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
-                  qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
+                  chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
     ring position it0. A varlen (persistent) consumer leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -228,12 +230,24 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     kr = keys - (seqlen_k - seqlen_q) - wr  # the first query row that sees each key (MASK_RIGHT)
     kl = keys - (seqlen_k - seqlen_q) + wl  # the last (MASK_LEFT)
+    if MASK_CHUNK:
+        # Query i sees key j only if i + diag lies in j's chunk: kr <= i <= kl within [c(j) - diag, c(j) + chunk).
+        chunk_q0 = chunk_start(keys, chunk) - (seqlen_k - seqlen_q)
+        if MASK_RIGHT:
+            kr = gl.maximum(kr, chunk_q0)
+        else:
+            kr = chunk_q0
+        if MASK_LEFT:
+            kl = gl.minimum(kl, chunk_q0 + chunk - 1)
+        else:
+            kl = chunk_q0 + chunk - 1
     lse_h = LSE + lse_off
     delta_h = DELTA + lse_off
     # This consumer's own query tiles: a contiguous part [own0, own1) of the item's (q_block_range for its BLOCK_N
     # keys; none if its keys are all past the sequence). It passes over the others: under a causal mask the upper
     # consumer's first tile, which its keys do not reach.
-    own_lo, _, _, own_hi = q_block_range(key0, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    own_lo, _, _, own_hi = q_block_range(key0, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                         chunk, MASK_CHUNK)
     own0 = gl.minimum(gl.maximum((own_lo - lo) // BLOCK_M, 0), n_tiles)
     own1 = gl.minimum(gl.maximum((own_hi - lo + BLOCK_M - 1) // BLOCK_M, own0), n_tiles)
     own1 = gl.where(key0 < seqlen_k, own1, own0)
@@ -248,7 +262,7 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
             edge = (t < front) | (t >= mid)
             dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl,
                            offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout, HEAD_DIM, BLOCK_M, MASK_LEFT,
-                           MASK_RIGHT)
+                           MASK_RIGHT, MASK_CHUNK)
         pass_over(base + own1, base + n_tiles, ring)
         lse_h += stride_lh
         delta_h += stride_lh
@@ -269,21 +283,22 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
 
 @gluon.jit
 def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo,
-              n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+              n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """A dense program's consumer c: its one item."""
     mbarrier.wait(held.index(c), 0)
     _consume_item(c, c, dk_desc, dv_desc, None, None, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b, hk, n_start, lo,
-                  n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
-                  0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, False)
+                  n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale,
+                  softmax_scale, 0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                  False)
 
 
 @gluon.jit
 def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
-                     ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+                     ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                     stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
     landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
@@ -301,8 +316,8 @@ def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DEL
             lse_off = (hk * GROUP).to(gl.int64) * stride_lh + q_row0
             _consume_item(c, sets.buffer(r, c), dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
                           0, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, sq, sk, wl, wr,
-                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
-                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, True)
+                          chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
             it0 += GROUP * n_tiles
         else:
             done = True
@@ -316,10 +331,10 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
                         qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32,
                         seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
                         stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items: gl.int32, heads: gl.int32,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        chunk: gl.int32, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                        MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        LOADER_REGS: gl.constexpr):
+                        MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """The six tensors are host descriptors. Dense: over (B, S, H, D), the grid is (key tiles of 2 x BLOCK_N
     rows, Hk, B), and DK_PTR, DV_PTR, TILES, CU_SEQLENS, COUNTER, the dK/dV strides, n_items and heads are unused.
     Varlen: over the packed (total, H, D) tensors, whose seqlen_q/k are the totals; the grid is one program per SM
@@ -355,22 +370,24 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
             (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
-                                ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                                stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+                                ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
+                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT,
+                                MASK_CHUNK)),
             (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
-                                ring, wl, wr, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                                stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+                                ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
+                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT,
+                                MASK_CHUNK)),
             (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
-                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT)),
+                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
         hk = gl.program_id(1)
         b = gl.program_id(2)
         n_start = pid_n * 2 * BLOCK_N
-        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                                   MASK_RIGHT)
+        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M, BLOCK_N,
+                                                   MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh
         k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
         v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
@@ -378,11 +395,11 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
             (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
-                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
             (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
-                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
             (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo, n_tiles, seqlen_q,
                        BLOCK_M, BLOCK_N, HEAD_DIM, GROUP)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -238,8 +238,9 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def dense_query_tile(seqlen_q, seqlen_k, wl, wr, chunk, stride_lb, stride_lh, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                     MASK_CHUNK: gl.constexpr):
     """A dense program's 2 x BLOCK_M query rows (grid: query tiles, heads, sequences), the last tiles first (under
     a causal mask they see the most keys), and their key blocks: (b, h, m_start, lo, full_lo, full_hi, n_blocks,
     lse_off), kv_block_range's bounds and the offset of the (sequence, head)'s LSE row."""
@@ -248,7 +249,7 @@ def dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh, BLOCK_M: 
     b = gl.program_id(2)
     m_start = pid_m * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
-                                              MASK_LEFT, MASK_RIGHT)
+                                              MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
     lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
     return b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off

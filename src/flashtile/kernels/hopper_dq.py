@@ -47,7 +47,7 @@ warpgroups still overlap one another's updates: on the H200, gradients whose che
 kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (docs/design/hopper-pipeline.md).
 
 Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any
-lengths, causal and sliding windows. Not softcap, ALiBi, seqused.
+lengths, causal and sliding windows, chunked attention (MASK_CHUNK). Not softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon
@@ -108,9 +108,9 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, la
 
 @gluon.jit
 def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
-                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                   MASK_RIGHT: gl.constexpr):
+                   MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen dQ]): it takes the next item from the work
     counter, describes it to the consumers and loads its Q and dO into its set of buffers (hopper_common.BufferSets),
     once both consumers have handed that set back; the K/V ring runs on from item to item. The first item past the
@@ -126,7 +126,8 @@ def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, r
                                                               2 * BLOCK_M, True, False)
         valid = valid & (w < n_items)
         m_start = tile * 2 * BLOCK_M
-        lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                      chunk, MASK_CHUNK)
         n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
         sets.wait_free(r)
         publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
@@ -157,9 +158,10 @@ def _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BL
 
 @gluon.jit
 def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, h, m_start, lo,
-                  n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
-                  stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                  n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale,
+                  softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
+                  IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
     ring position it0. A varlen (persistent) consumer leaves its dQ store in flight."""
     dtype: gl.constexpr = q_s.dtype
@@ -177,7 +179,7 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
     # This consumer's own key blocks: a contiguous part [j0, j1) of the item's, whose mask-free part is
     # [own_full_lo, own_full_hi) (kv_block_range for its BLOCK_M rows).
     own_lo, own_full_lo, own_full_hi, own_hi = kv_block_range(m0, seqlen_q, seqlen_k, wl, wr, BLOCK_M, BLOCK_N,
-                                                              MASK_LEFT, MASK_RIGHT)
+                                                              MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     j0 = gl.minimum(gl.maximum((own_lo - lo) // BLOCK_N, 0), n_blocks)
     j1 = gl.minimum(gl.maximum((own_hi - lo + BLOCK_N - 1) // BLOCK_N, j0), n_blocks)
     j1 = gl.where(m0 < seqlen_q, j1, j0)  # rows all past the sequence (the last tile's upper half): no work
@@ -200,7 +202,7 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
         if (n0 < own_full_lo) | (n0 >= own_full_hi):
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s2 = apply_mask(s * qk_scale, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_k, diag, wl, wr,
-                            MASK_LEFT, MASK_RIGHT, True)
+                            MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
             p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
         else:
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
@@ -223,21 +225,21 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
 
 @gluon.jit
 def _consumer(c: gl.constexpr, dq_desc, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo,
-              n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale,
+              n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr):
+              MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """A dense program's consumer c: its one item."""
     mbarrier.wait(held.index(c), 0)
     _consume_item(c, dq_desc, None, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, h, m_start, lo, n_blocks, o_off,
-                  stride_om, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, 0, 0, 0, c, HEAD_DIM,
-                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, False)
+                  stride_om, lse_off, 0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, 0, 0, 0, c,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, False)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
                      qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-                     MASK_RIGHT: gl.constexpr):
+                     MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
     landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
@@ -256,8 +258,8 @@ def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_
             h64 = h.to(gl.int64)
             _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, 0, h, m_start, lo, n_blocks,
                           q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om, h64 * stride_lh + q_row0,
-                          q_row0, sq, sk, wl, wr, qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM,
-                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True)
+                          q_row0, sq, sk, wl, wr, chunk, qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
             it0 += n_blocks
         else:
             done = True
@@ -271,11 +273,11 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
                       qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, stride_ob, stride_om,
                       stride_oh, seqlen_q: gl.int32,
                       seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32, stride_dqm, stride_dqh,
-                      n_items: gl.int32, heads: gl.int32,
+                      n_items: gl.int32, heads: gl.int32, chunk: gl.int32,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr):
+                      MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Q, K, V, DO, DQ are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
     2 x BLOCK_M rows, H, B) and which leaves DQ_PTR, TILES, CU_SEQLENS, COUNTER, the dQ strides, n_items and heads
     unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid
@@ -297,20 +299,20 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
         sets = BufferSets(held, q_free, info)
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
-            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
                                 qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)),
-            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
+            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
                                 qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
             (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
-                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT)),
+                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
-        b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, stride_lb,
+        b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, chunk, stride_lb,
                                                                       stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                                                      MASK_RIGHT)
+                                                                      MASK_RIGHT, MASK_CHUNK)
         o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
         q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
         do_s = tile_buffers(DO, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
@@ -318,11 +320,11 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
         ring = Ring(ready, empty, STAGES)
         gl.warp_specialize([
             (_consumer, (0, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo, n_blocks, o_off,
-                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
             (_consumer, (1, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo, n_blocks, o_off,
-                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, softmax_scale, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, MASK_LEFT, MASK_RIGHT)),
+                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, HEAD_DIM,
+                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
             (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, ring, landed, b, h, h // GROUP, m_start, lo, n_blocks,
                        BLOCK_M, BLOCK_N, HEAD_DIM)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -27,7 +27,8 @@ whose rows see only the first half of the last key block computes that block at 
 block]).
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
-(total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows, learnable sinks
+(total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
+(MASK_CHUNK: kv_block_range and apply_mask take the chunk, as everywhere else), learnable sinks
 (HAS_SINK: SINK, fp32 (H,), joins each row's denominator after its last key block, as softmax.fold_sink; the
 backward needs nothing more, its P comes from this LSE). Not softcap, ALiBi, dropout, seqused or paged K/V.
 """
@@ -72,15 +73,15 @@ def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, k_ring, v_ring, b, h
 
 
 @gluon.jit
-def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """Work item w of a varlen batch (hopper_common.work_item; the tile list holds a sequence's query tiles last
     first). Returns (valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo, full_hi, n_blocks)."""
     valid, b, h, tile, q_row0, seqlen_q, k_row0, seqlen_k = work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                                       total_q, total_k, 2 * BLOCK_M, True, False)
     m_start = tile * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
-                                              MASK_LEFT, MASK_RIGHT)
+                                              MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
     return valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo, full_hi, n_blocks
 
@@ -95,8 +96,9 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, b, h, hk, m_start
 
 @gluon.jit
 def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
-                   CU_SEQLENS_K, total_q, total_k, wl, wr, n_items, heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+                   CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   MASK_CHUNK: gl.constexpr):
     """A persistent varlen program's loader (Note [persistent varlen forward]): it takes the next item from the
     work counter, describes it to the consumers and loads its Q into its set of Q buffers (hopper_common.BufferSets),
     once both consumers have handed that set back; the K/V rings run on from item to item. The first item
@@ -107,8 +109,8 @@ def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, 
     while not done:
         w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
         valid, b, h, m_start, q_row0, sq, k_row0, sk, lo, full_lo, full_hi, n_blocks = _varlen_item(
-            gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr,
-            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk,
+            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         valid = valid & (w < n_items)
         sets.wait_free(r)
         publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
@@ -135,13 +137,14 @@ def _p_layout(head_dim):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_scale,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+             MASK_CHUNK: gl.constexpr):
     """Fold the raw scores of key block n0 into the running (max, sum): returns (p, m_new, l_new, alpha)."""
     if masked:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = apply_mask(s, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_k, diag, wl, wr,
-                       MASK_LEFT, MASK_RIGHT, True)
+                       MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if masked:
         # Note [fully masked rows] in softmax.py: a row that has seen no visible key keeps a finite reference max.
@@ -153,8 +156,8 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, qk_scale,
 
 @gluon.jit
 def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr,
-          qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):
+          chunk, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Key block n0 at ring position it, after the item's first: S on the block's first WIDTH keys (all of them, or
     half under Note [half last block]) is issued with the previous block's P V under it, and its softmax runs
     while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
@@ -179,7 +182,7 @@ def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full
     if IS_VARLEN:
         k_ring.release(it)  # K_j is read
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k, diag, wl, wr,
-                                  qk_scale, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT)
+                                  chunk, qk_scale, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     v_ring.release(it - 1)  # V_{j-1} is read (and K_{j-1}, in a dense batch's joint ring)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -210,9 +213,9 @@ def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: 
 
 @gluon.jit
 def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, b, h, m_start, lo,
-                  full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, qk_scale, stride_om,
+                  full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, stride_om,
                   stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
                   IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
     A varlen (persistent) consumer leaves its O store in flight, and hands the previous item's Q buffer back
@@ -248,7 +251,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
         if IS_VARLEN:
             k_ring.release(it0)  # K_0 is read (its own ring)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
-                                      wl, wr, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT)
+                                      wl, wr, chunk, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         n_last = lo + (n_blocks - 1) * BLOCK_N
         keys_end = seqlen_k  # past this consumer's last visible key
         if MASK_RIGHT:
@@ -256,16 +259,16 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
         half = (n_blocks > 1) & (keys_end - n_last <= HALF)
         for j in range(1, n_blocks - half.to(gl.int32)):
             p, m_i, l_i, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it0 + j, lo + j * BLOCK_N, p, acc, m_i, l_i,
-                                     rows, full_lo, full_hi, seqlen_k, diag, wl, wr, qk_scale, BLOCK_N, HEAD_DIM,
-                                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, IS_VARLEN)
+                                     rows, full_lo, full_hi, seqlen_k, diag, wl, wr, chunk, qk_scale, BLOCK_N, HEAD_DIM,
+                                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
         it_last = it0 + n_blocks - 1
         if half:
             p_h, m_h, l_h, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it_last, n_last, p, acc,
                                        gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(rows, gl.SliceLayout(1, h_layout)), full_lo, full_hi,
-                                       seqlen_k, diag, wl, wr, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       MASK_LEFT, MASK_RIGHT, IS_VARLEN)
+                                       seqlen_k, diag, wl, wr, chunk, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             acc = _last_pv(p_h, acc, v_s, v_ring, it_last, seqlen_k - n_last, HALF, HEAD_DIM, BLOCK_N, IS_VARLEN)
             m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
             l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
@@ -320,19 +323,20 @@ def _free_previous(free_prev, sets, prev):
 
 @gluon.jit
 def _consumer(c: gl.constexpr, o_desc, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi,
-              n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr):
+              n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              MASK_CHUNK: gl.constexpr, HAS_SINK: gl.constexpr):
     """A dense program's consumer c: its one item."""
     mbarrier.wait(held.index(c), 0)
     _consume_item(c, o_desc, None, LSE, SINK, q_s, k_s, v_s, None, ring, ring, b, h, m_start, lo, full_lo, full_hi,
-                  n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, qk_scale, 0, 0, 0, c, False, HEAD_DIM, BLOCK_M,
-                  BLOCK_N, MASK_LEFT, MASK_RIGHT, False, HAS_SINK)
+                  n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, 0, 0, 0, c, False, HEAD_DIM,
+                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, False, HAS_SINK)
 
 
 @gluon.jit
-def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, qk_scale,
-                     stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
+                     qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
                      HAS_SINK: gl.constexpr):
     """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of Q buffers: hopper_common.BufferSets), until one is invalid."""
@@ -345,9 +349,9 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, s
         if valid:
             lse_off = h.to(gl.int64) * stride_lh + q_row0
             _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, 0, h, m_start, lo, full_lo,
-                          full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, qk_scale, stride_om, stride_oh, it0,
-                          sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, True,
-                          HAS_SINK)
+                          full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, chunk, qk_scale, stride_om, stride_oh,
+                          it0, sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                          MASK_CHUNK, True, HAS_SINK)
             it0 += n_blocks
         else:
             done = True
@@ -359,11 +363,11 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, s
 @gluon.jit
 def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
                        stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32, seqlen_k: gl.int32,
-                       wl: gl.int32, wr: gl.int32, stride_om, stride_oh, n_items: gl.int32, heads: gl.int32,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                       wl: gl.int32, wr: gl.int32, stride_om, stride_oh, n_items: gl.int32,
+                       heads: gl.int32, chunk: gl.int32, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
+                       HAS_SINK: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
     2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides, TILES, CU_SEQLENS, COUNTER, n_items and heads
     unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is
@@ -419,7 +423,8 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
     if not IS_VARLEN:
         b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off = dense_query_tile(
-            seqlen_q, seqlen_k, wl, wr, stride_lb, stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            seqlen_q, seqlen_k, wl, wr, chunk, stride_lb, stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+            MASK_CHUNK)
     if IS_VARLEN:
         KS: gl.constexpr = STAGES - 1  # the second Q set takes one K slot's shared memory
         VS: gl.constexpr = STAGES
@@ -436,15 +441,15 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
         k_ring = Ring(ready, empty, KS)
         v_ring = Ring(v_ready, v_empty, VS)
         gl.warp_specialize([
-            (_varlen_consumer, (0, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
+            (_varlen_consumer, (0, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
                                 qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT, HAS_SINK)),
-            (_varlen_consumer, (1, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr,
+                                MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
+            (_varlen_consumer, (1, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
                                 qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT, HAS_SINK)),
+                                MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
             (_varlen_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES,
-                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, n_items, heads, BLOCK_M,
-                              BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT)),
+                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M,
+                              BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
@@ -454,11 +459,11 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
         ring = Ring(ready, empty, STAGES)  # K_j and V_j in one slot
         gl.warp_specialize([
             (_consumer, (0, O, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
-                         lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                         MASK_RIGHT, HAS_SINK)),
+                         lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                         MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
             (_consumer, (1, O, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
-                         lse_off, seqlen_q, seqlen_k, wl, wr, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                         MASK_RIGHT, HAS_SINK)),
+                         lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                         MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
             (_loader, (Q, K, V, q_s, k_s, v_s, held, ring, b, h, h // GROUP, m_start, lo, n_blocks, BLOCK_M,
                        BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

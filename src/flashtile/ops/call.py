@@ -115,7 +115,7 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
     seqused = seqused_q is not None or seqused_k is not None
     fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged,
                                          seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
-                                         dropout=dropout_p > 0.0, chunk=attention_chunk > 0) \
+                                         dropout=dropout_p > 0.0) \
         if k.numel() > 0 else "no keys"
     bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
     pdl, dq_list_block = False, 0

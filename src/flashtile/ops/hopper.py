@@ -3,9 +3,10 @@
 Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
-(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows, learnable
-sinks. Everything else (softcap, ALiBi, dropout, chunked attention, seqused_q/k, paged K/V, other head dims or
-dtypes, a v head dim other than q's, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one
+(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows, chunked
+attention, learnable sinks. Everything else (softcap, ALiBi, dropout, seqused_q/k, paged K/V, other head dims or
+dtypes, a v head dim other than q's, other GPUs,
+the interpreter) runs the Triton kernels. `hopper_unsupported` is the one
 decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the
 answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward and
 backward ran. FLASHTILE_HOPPER=0 switches the path off.
@@ -55,7 +56,7 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None,
                        paged: bool = False, seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False, chunk: bool = False) -> Optional[str]:
+                       dropout: bool = False) -> Optional[str]:
     """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
     `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the padded ones the kernels see."""
     if env.INTERPRET:
@@ -70,12 +71,12 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     return feature_unsupported(dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused, softcap=softcap,
-                               alibi=alibi, dropout=dropout, chunk=chunk)
+                               alibi=alibi, dropout=dropout)
 
 
 def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None, paged: bool = False,
-                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-                        chunk: bool = False) -> Optional[str]:
+                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
+                        dropout: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -85,8 +86,7 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
     if head_dim_v is not None and head_dim_v != head_dim:
         return f"head_dim_v {head_dim_v} != head_dim {head_dim}: the Gluon kernels take one head dim"
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
-                       (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout"),
-                       (chunk, "attention_chunk")):
+                       (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout")):
         if cond:
             return f"{what}: not in the Gluon kernels"
     return None
@@ -143,19 +143,21 @@ def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
 
 
 def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left: int, window_right: int,
-                varlen: bool) -> dict:
-    """The constexprs both Gluon kernels take: tile, head dim, GQA group, mask flags."""
+                attention_chunk: int, varlen: bool) -> dict:
+    """The constexprs every Gluon kernel takes: tile, head dim, GQA group, mask flags."""
     nheads, head_dim = q.shape[-2:]
-    flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16)
+    flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16,
+                         chunk=attention_chunk)
     return dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[-2], MASK_LEFT=flags["MASK_LEFT"],
-                MASK_RIGHT=flags["MASK_RIGHT"], IS_VARLEN=varlen, **cfg.kwargs())
+                MASK_RIGHT=flags["MASK_RIGHT"], MASK_CHUNK=flags["MASK_CHUNK"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
-        cu_seqlens_k=None, plan: Optional[Plan] = None, learnable_sink: Optional[torch.Tensor] = None) -> None:
+        cu_seqlens_k=None, plan: Optional[Plan] = None, learnable_sink: Optional[torch.Tensor] = None,
+        attention_chunk: int = 0) -> None:
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
     its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py);
-    learnable_sink: fp32 (H,) or None."""
+    learnable_sink: fp32 (H,) or None; attention_chunk: 0 for none."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
     varlen = cu_seqlens_q is not None
@@ -167,7 +169,8 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         batch, seqlen_q = q.shape[:2]
         grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                      wl=window_left, wr=window_right, stride_om=0, stride_oh=0, n_items=0, heads=0)
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0, n_items=0,
+                      heads=0)
     else:
         # Persistent (Note [persistent varlen forward] in kernels/hopper_fwd.py): one program per SM over the
         # (tile list entry, head) items; the plan's writer zeroed the work counter.
@@ -175,15 +178,17 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         n_items = plan.last_first.shape[0] * nheads
         grid = (min(n_items, sm_count(q.device)), 1, 1)
         static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
-                      wl=window_left, wr=window_right, stride_om=out.stride(0), stride_oh=out.stride(1),
-                      n_items=n_items, heads=nheads)
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
+                      stride_oh=out.stride(1), n_items=n_items, heads=nheads)
     launch_named(_hopper_fwd_kernel, grid, dynamic, static,
-                 dict(_constexprs(cfg, q, k, window_left, window_right, varlen), HAS_SINK=learnable_sink is not None),
+                 dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
+                      HAS_SINK=learnable_sink is not None),
                  num_warps=4)
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
-           window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None) -> None:
+           window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
+           attention_chunk: int = 0) -> None:
     """dq and delta = rowsum(dout * out) of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen
     (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles."""
     nheads, head_dim = q.shape[-2:]
@@ -199,7 +204,8 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
         grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ob=out.stride(0),
                       stride_om=out.stride(1), stride_oh=out.stride(2), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                      wl=window_left, wr=window_right, stride_dqm=0, stride_dqh=0, n_items=0, heads=0)
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dqm=0, stride_dqh=0, n_items=0,
+                      heads=0)
     else:
         # Persistent (Note [persistent varlen dQ] in kernels/hopper_dq.py), as the forward, on the same list.
         assert plan.has(2 * cfg.block_m, 0)
@@ -207,14 +213,15 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
         grid = (min(n_items, sm_count(q.device)), 1, 1)
         static = dict(stride_lb=0, stride_lh=lse.stride(0), stride_ob=0, stride_om=out.stride(0),
                       stride_oh=out.stride(1), seqlen_q=q.shape[0], seqlen_k=k.shape[0], wl=window_left,
-                      wr=window_right, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1), n_items=n_items,
-                      heads=nheads)
+                      wr=window_right, chunk=attention_chunk, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1),
+                      n_items=n_items, heads=nheads)
     launch_named(_hopper_dq_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, varlen), num_warps=4)
+                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
-             window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None) -> None:
+             window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
+             attention_chunk: int = 0) -> None:
     """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with a
     plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py)."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
@@ -231,15 +238,16 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         seqlen_k = k.shape[1]
         grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                      wl=window_left, wr=window_right, stride_dkm=0, stride_dkh=0, stride_dvm=0, stride_dvh=0,
-                      n_items=0, heads=0)
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=0, stride_dkh=0,
+                      stride_dvm=0, stride_dvh=0, n_items=0, heads=0)
     else:
         # Persistent (Note [persistent varlen dK/dV] in kernels/hopper_bwd.py), as the forward.
         assert plan.has(0, 2 * cfg.block_n)
         n_items = plan.first_first.shape[0] * nheads_kv
         grid = (min(n_items, sm_count(q.device)), 1, 1)
         static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
-                      wl=window_left, wr=window_right, stride_dkm=dk.stride(0), stride_dkh=dk.stride(1),
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=dk.stride(0),
+                      stride_dkh=dk.stride(1),
                       stride_dvm=dv.stride(0), stride_dvh=dv.stride(1), n_items=n_items, heads=nheads_kv)
     launch_named(_hopper_dkdv_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, varlen), num_warps=4)
+                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4)
