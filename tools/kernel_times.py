@@ -1,4 +1,5 @@
-"""GPU time of each kernel in one forward+backward, flashtile beside FlexAttention (torch.profiler).
+"""GPU time of each kernel in one forward+backward, flashtile beside FlexAttention (torch.profiler), or with
+--dropout P flashtile at p = 0 beside p = P (which kernel the dropout mask costs in).
 
 For a kernel-bound comparison where the ratio alone does not say which kernel is behind: prints, per backend, the
 device time of every kernel a `.backward()` of one attention call launches, averaged over the repetitions, and the
@@ -6,6 +7,7 @@ total. The standard sweep's shapes: B·S = 16k tokens, d128 with 16 heads (or d6
 docs/perf.md quotes what it printed on the H200.
 
 Usage (GPU): PYTHONPATH=src python3 tools/kernel_times.py [--seqlens 1024,4096] [--head-dim 128] [--causal]
+            [--dropout 0.1]
 """
 
 import argparse
@@ -39,18 +41,19 @@ def kernel_us(fn, q, k, v, dout, reps: int) -> list[tuple[str, float]]:
     return profile_step(step, reps)
 
 
-def compare(s: int, d: int, causal: bool, reps: int) -> None:
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def compare(s: int, d: int, causal: bool, reps: int, dropout: float) -> None:
     b, h = 16384 // s, 2048 // d
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    flex = _compiled_flex()
-    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, s, s, device="cuda") if causal else None
-    backends = [
-        ("flashtile", lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v, dout)),
-        ("flex", lambda q, k, v: flex(q, k, v, block_mask=mask), [t.transpose(1, 2).contiguous()
-                                                                    for t in (q, k, v, dout)]),
-    ]
+    backends = [("flashtile", lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v, dout))]
+    if dropout:
+        backends.append((f"flashtile p={dropout}", lambda q, k, v: flashtile.flash_attn_func(
+            q, k, v, causal=causal, dropout_p=dropout), (q, k, v, dout)))
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask
+        flex = _compiled_flex()
+        mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, s, s, device="cuda") if causal else None
+        backends.append(("flex", lambda q, k, v: flex(q, k, v, block_mask=mask),
+                         [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]))
     for name, fn, (qq, kk, vv, do) in backends:
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (qq, kk, vv))
         rows = kernel_us(fn, qq, kk, vv, do, reps)
@@ -65,9 +68,10 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--dropout", type=float, default=0.0, help="compare p = 0 with this dropout_p, not Flex")
     args = parser.parse_args()
     for s in (int(x) for x in args.seqlens.split(",")):
-        compare(s, args.head_dim, args.causal, args.reps)
+        compare(s, args.head_dim, args.causal, args.reps, args.dropout)
 
 
 if __name__ == "__main__":
