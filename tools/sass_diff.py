@@ -14,7 +14,8 @@ Usage (no GPU needed): python tools/sass_diff.py BASE_TREE [THIS_TREE] [--group 
   BASE_TREE, THIS_TREE: source trees (THIS_TREE defaults to the one this script is in), e.g. a worktree, or
   `git archive main src tests | tar -x -C /tmp/base`. Exits 1 if any compile differs.
   --keep DIR keeps each tree's normalised SASS under DIR/base and DIR/this, for `diff -r`.
-  --only TEXT builds only the compiles whose description contains TEXT (e.g. "IS_VARLEN=True").
+  --only TEXT builds only the compiles whose description contains every word of TEXT (e.g. "IS_VARLEN=True
+  GROUP=2"), so that a filter survives a new flag in the descriptions.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def dump(tree: str, group: str, out_dir: str, only: str | None) -> None:
         row = sm90.describe(compile_spec)
         flags = " ".join(f"{k}={v}" for k, v in sorted(row.items()) if k != "ints_as_constants")
         description = f"{compile_spec[0].__name__} {flags} ({scenarios[0]})"
-        if only and only not in description:
+        if only and not all(word in description for word in only.split()):
             continue
         stem = compile_spec[0].__name__ + "-" + hashlib.sha256(key.encode()).hexdigest()[:12]
         compiled = sm90.build_compiled(compile_spec)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("this", nargs="?", default=os.path.dirname(HERE), help="the tree under test")
     parser.add_argument("--group", default="hopper", help="a compile group of tests/sm90_compile.py")
     parser.add_argument("--keep", help="keep the SASS listings under this directory")
-    parser.add_argument("--only", help="only the compiles whose description contains this text")
+    parser.add_argument("--only", help="only the compiles whose description contains every word of this text")
     parser.add_argument("--dump", help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
