@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
-from flashtile.kernels.dropout import keep_mask
+from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_mask
 from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, varlen_inputs
 
 P = 0.17
@@ -107,11 +107,14 @@ def test_dropout_varlen_and_packed(device):
     assert s_dmask.shape == (3, 2, 128, 128) and torch.isfinite(dqkv).all()
 
 
-def test_dropped_fraction_is_p(device):
-    """Per row and overall, the dropped fraction of the visible entries is p within 5 binomial standard
-    deviations; masks of different heads, sequences and calls are independent (they agree on p^2 + (1 - p)^2 of
-    the entries), and torch.manual_seed reproduces a call's mask bit for bit."""
+def test_dropped_fraction_is_the_quantised_p(device):
+    """Per row and overall, the dropped fraction of the visible entries is threshold / 256 = round(256 p) / 256
+    (Note [dropout mask]: 8-bit numbers), within 5 binomial standard deviations; masks of different heads,
+    sequences and calls are independent (they agree on q^2 + (1 - q)^2 of the entries, q the dropped fraction), and
+    torch.manual_seed reproduces a call's mask bit for bit."""
     p = 0.3
+    q_drop = round(p * 256) / 256  # 77 / 256 = 0.30078
+    assert abs(q_drop - p) <= 2**-9
     q, k, v = (torch.randn(2, 96, 2, 16, generator=torch.Generator().manual_seed(i)).to(device, torch.float16)
                for i in range(3))
     torch.manual_seed(1234)
@@ -122,10 +125,10 @@ def test_dropped_fraction_is_p(device):
     drop1, drop2, drop3 = ((s[:, :, :96, :96] < 0) for s in (s1, s2, s3))
     assert torch.equal(drop1, drop3)
     n = drop1.numel()
-    assert abs(drop1.float().mean().item() - p) <= 5 * math.sqrt(p * (1 - p) / n)
+    assert abs(drop1.float().mean().item() - q_drop) <= 5 * math.sqrt(q_drop * (1 - q_drop) / n)
     rows = drop1.float().mean(-1)
-    assert (rows - p).abs().max().item() <= 5 * math.sqrt(p * (1 - p) / 96)
-    agree = p * p + (1 - p) * (1 - p)
+    assert (rows - q_drop).abs().max().item() <= 5 * math.sqrt(q_drop * (1 - q_drop) / 96)
+    agree = q_drop * q_drop + (1 - q_drop) * (1 - q_drop)
     sigma = math.sqrt(agree * (1 - agree) / (n / 2))
     for a, b in ((drop1[:, 0], drop1[:, 1]), (drop1[0], drop1[1]), (drop1, drop2)):
         assert abs((a == b).float().mean().item() - agree) <= 5 * sigma
@@ -143,17 +146,54 @@ def _keep_kernel(OUT, seed, stream, bh, threshold, ROWS: tl.constexpr, COLS: tl.
     tl.store(OUT + i[:, None] * COLS + j[None, :], keep.to(tl.int8))
 
 
-def test_the_mask_does_not_depend_on_the_tile():
-    """keep_mask's bits for one (seed, stream, b * H + h) from tiles 8, 16, 32 and 64 keys wide and 16 or 32 rows
-    high are the same (Note [dropout mask]): the interpreter's kernels use 16-key tiles, the GPU's 32 and more, and
-    the forward, both backward kernels and S_dmask's kernel each their own."""
-    masks = []
-    for block_m, block_n in ((16, 8), (32, 16), (16, 32), (32, 64)):
-        out = torch.empty(64, 128, dtype=torch.int8)
-        _keep_kernel[(64 // block_m, 128 // block_n)](out, 1234, 7, 5, 19661, 64, 128, block_m, block_n)
-        masks.append(out)
+def _keep(device, rows, cols, block_m, block_n, threshold, seed=1234, stream=7, bh=5):
+    out = torch.empty(rows, cols, dtype=torch.int8, device=device)
+    _keep_kernel[(rows // block_m, cols // block_n)](out, seed, stream, bh, threshold, rows, cols, block_m, block_n)
+    return out.cpu()
+
+
+def test_the_mask_does_not_depend_on_the_tile(device):
+    """keep_mask's bits for one (seed, stream, b * H + h) from tiles 8 to 128 keys wide (narrower than the 64-key
+    unit of four Philox calls, one unit, two) and 16 or 32 rows high are the same (Note [dropout mask]): the
+    interpreter's kernels use 16- and 32-key tiles, the GPU's 16 to 128, and the forward, both backward kernels and
+    S_dmask's kernel each their own. A tile starts at any multiple of its width, so the narrow ones take every part
+    of a unit. The dropped fraction is 77 / 256 (p = 0.3)."""
+    masks = [_keep(device, 64, 256, block_m, block_n, 77)
+             for block_m, block_n in ((16, 8), (32, 16), (16, 32), (32, 64), (16, 128))]
     assert all(torch.equal(m, masks[0]) for m in masks[1:])
-    assert abs(1 - masks[0].float().mean().item() - 0.3) < 0.03
+    assert abs(1 - masks[0].float().mean().item() - 77 / 256) < 0.02
+
+
+@triton.jit
+def _philox_words(OUT, seed, stream, bh, ROWS: tl.constexpr, CALLS: tl.constexpr):
+    zero = tl.zeros([ROWS, CALLS], dtype=tl.int32)
+    r0, r1, r2, r3 = tl.philox(seed, tl.arange(0, CALLS)[None, :] + zero, tl.arange(0, ROWS)[:, None] + zero,
+                               bh + zero, stream + zero, PHILOX_ROUNDS)
+    at = OUT + (tl.arange(0, ROWS)[:, None] * CALLS + tl.arange(0, CALLS)[None, :]) * 4
+    tl.store(at, r0.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(at + 1, r1.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(at + 2, r2.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(at + 3, r3.to(tl.int64) & 0xFFFFFFFF)
+
+
+def test_the_mask_is_the_notes_mapping(device):
+    """Key 64 (c // 4) + 8 g + 2 (c % 4) + e of a row survives iff byte 2 g + e of Philox call c's four words (word
+    g // 2, bits 8 (2 (g % 2) + e) up) is at least the threshold (Note [dropout mask]), built here from the raw
+    words, at thresholds from none dropped to all."""
+    rows, cols = 16, 128
+    words = torch.empty(rows, cols // 16, 4, dtype=torch.int64, device=device)
+    _philox_words[(1,)](words, 1234, 7, 5, rows, cols // 16)
+    words = words.cpu()
+    numbers = torch.empty(rows, cols, dtype=torch.int64)
+    for c in range(cols // 16):
+        for g in range(8):
+            for e in range(2):
+                numbers[:, 64 * (c // 4) + 8 * g + 2 * (c % 4) + e] = words[:, c, g // 2] >> 8 * (2 * (g % 2) + e)
+    numbers &= 0xFF
+    for threshold in (0, 1, 77, 255, 256):
+        for block_n in (16, 64, 128):
+            assert torch.equal(_keep(device, rows, cols, 16, block_n, threshold).bool(), numbers >= threshold), \
+                (threshold, block_n)
 
 
 def test_backward_reruns_regenerate_the_forward_mask(device):

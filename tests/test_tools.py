@@ -78,3 +78,37 @@ def test_sass_diff_finds_a_tree_identical_to_itself():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows and all('"identical": true' in row for row in rows), proc.stdout
+
+
+MASK_BENCH_SM90 = """
+import importlib.util, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+spec = importlib.util.spec_from_file_location("mask_bench", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+product = {"OUT": "*fp32", "Q": "*bf16", "K": "*bf16", "seed": "i32", "TILES": "constexpr", "MASK": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_DIM": "constexpr"}
+philox = {"OUT": "*fp32", "seed": "i32", "TILES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+for name, fn, signature, constexprs in (
+        ("product", bench._product, product, dict(TILES=64, MASK=False, BLOCK_M=128, BLOCK_N=128, HEAD_DIM=128)),
+        ("masked", bench._product, product, dict(TILES=64, MASK=True, BLOCK_M=128, BLOCK_N=128, HEAD_DIM=128)),
+        ("philox", bench._philox, philox, dict(TILES=64, BLOCK_M=128, BLOCK_N=128))):
+    ptx = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    print(name, len(re.findall(r"\\b(?:ld|st)\\.shared", ptx)))
+"""
+
+
+def test_mask_bench_kernels_compile_for_sm90():
+    """tools/mask_bench.py runs only on a GPU: its three kernels at its default shapes build for sm_90 here (as
+    tests/sm90_compile.py builds the library's), and the masked product reads and writes shared memory no more
+    than the plain one (Note [dropout mask]: the mask is built in the accumulator's registers)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", MASK_BENCH_SM90, os.path.join(TOOLS, "mask_bench.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shared = dict(line.split() for line in proc.stdout.splitlines())
+    assert set(shared) == {"product", "masked", "philox"}
+    assert shared["masked"] == shared["product"], shared

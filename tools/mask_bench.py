@@ -1,8 +1,8 @@
 """What the dropout mask costs beside the product it masks: one program per 128 query rows loops over 128-key
 tiles, computing S = Q Kᵀ (bf16, d128) and, in the second kernel, S ∘ keep_mask (Note [dropout mask] in
 kernels/dropout.py) on the accumulator's own layout, as the forward does; a third times Philox alone on the same
-counters. Prints G entries of S per second for each and the mask's cost relative to the product; docs/perf.md
-quotes it.
+counters, one call per 16 entries as the mask draws them. Prints G entries of S per second for each and the mask's
+cost relative to the product; docs/perf.md quotes it.
 
 Usage (GPU): PYTHONPATH=src python3 tools/mask_bench.py [--tiles 64] [--warps 4,8]
 """
@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_mask
+
+THRESHOLD = tl.constexpr(26)  # p = 0.1: round(0.1 * 256)
 
 
 @triton.jit
@@ -28,7 +30,7 @@ def _product(OUT, Q, K, seed, TILES: tl.constexpr, MASK: tl.constexpr, BLOCK_M: 
     for t in range(TILES):
         s = tl.dot(q, kT)
         if MASK:
-            s = tl.where(keep_mask(seed, 3, pid, i, t * BLOCK_N, 6554, BLOCK_M, BLOCK_N), s, 0.0)
+            s = tl.where(keep_mask(seed, 3, pid, i, t * BLOCK_N, THRESHOLD, BLOCK_M, BLOCK_N), s, 0.0)
         acc += s
     tl.store(OUT + pid, tl.sum(acc))
 
@@ -36,10 +38,11 @@ def _product(OUT, Q, K, seed, TILES: tl.constexpr, MASK: tl.constexpr, BLOCK_M: 
 @triton.jit
 def _philox(OUT, seed, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
-    CALLS: tl.constexpr = BLOCK_N // 8
+    CALLS: tl.constexpr = BLOCK_N // 16  # sixteen 8-bit numbers a call (Note [dropout mask])
     i = (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
     zero = tl.zeros([BLOCK_M, CALLS], dtype=tl.int32)
-    acc = tl.zeros([BLOCK_M, CALLS], dtype=tl.int32)
+    # Philox's words are uint32: the loop-carried sum must be too, or the loop changes its type.
+    acc = tl.zeros([BLOCK_M, CALLS], dtype=tl.uint32)
     for t in range(TILES):
         calls = (t * CALLS + tl.arange(0, CALLS))[None, :] + zero
         r0, r1, r2, r3 = tl.philox(seed, calls, i + zero, pid + zero, 3 + zero, PHILOX_ROUNDS)

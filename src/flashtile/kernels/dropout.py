@@ -1,24 +1,34 @@
 """Attention dropout: which probabilities of a tile survive, drawn from a counter-based RNG, so that the backward
 regenerates the forward's mask from the call's seed and each entry's position, with no mask stored.
 
-Note [dropout mask]: entry (i, j) of (sequence b, query head h) survives iff a 16-bit random number u(b, h, i, j)
-is at least threshold = round(p * 65536), so it is dropped with probability threshold / 65536, within 2^-17 of p.
-Survivors are scaled by 1 / (1 - p) (flash-attn 2's semantics; the LSE is that of the softmax before dropout). u
-comes from Philox4x32 with 7 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011: the
-fewest rounds that pass BigCrush, with the round keys of Random123) keyed by the call's 64-bit seed, whose
-counter is (c, i, b * H + h, stream): call c gives 4 x 32 bits, eight 16-bit numbers, for the eight keys
-j = 32 * (c // 4) + 8 * w + 2 * (c % 4) + half of query i (word w of the four, its low or high half). So the mask
-depends on (seed, stream, b, h, i, j) alone, never on a kernel's tile shape or its orientation (the dK/dV kernel's
-tiles are keys x queries and transpose it): the forward, both backward kernels and the testing kernel below
-regenerate the same bits. i and j count from the start of their sequence (varlen too). Tiles start at multiples
-of 32 keys, or of their width when narrower (the interpreter's 16).
+Note [dropout mask]: entry (i, j) of (sequence b, query head h) survives iff an 8-bit random number u(b, h, i, j) is
+at least threshold = round(p * 256) (halves up): it is dropped with probability exactly threshold / 256, within 2^-9
+of p (p = 0.1 drops 26 / 256 = 10.16%; p < 2^-9 drops nothing, p >= 1 - 2^-9 everything). flash-attn 2 quantises to
+8 bits too, but floors: it keeps iff u <= floor((1 - p) * 255), so it drops ceil(255 * p) / 256, between p / 256
+below p and 2^-8 above it; rounding halves that bound. Survivors are scaled by 1 / (1 - p) of the unquantised p
+(flash-attn 2's semantics; the LSE is that of the softmax before dropout), so the output's expectation is
+(1 - threshold / 256) / (1 - p) times the undropped one: biased by the quantisation, as flash-attn 2's is. u comes
+from Philox4x32 with 7 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011: the fewest
+rounds that pass BigCrush, with the round keys of Random123) keyed by the call's 64-bit seed, whose counter is
+(c, i, b * H + h, stream): call c gives 4 x 32 bits, sixteen 8-bit numbers, for the sixteen keys
+j = 64 * (c // 4) + 8 * g + 2 * (c % 4) + e of query i (g in [0, 8), e in [0, 2)), key (g, e) taking byte 2 * g + e
+of the call's words read little-endian in order: word g // 2, bits 8 * (2 * (g % 2) + e) up. The four calls
+4 * t + [0, 4) thus cover the 64-key unit t. So the mask depends on (seed, stream, b, h, i, j) alone, never on a
+kernel's tile shape or its orientation (the dK/dV kernel's tiles are keys x queries and transpose it): the forward,
+both backward kernels and the testing kernel below regenerate the same bits. i and j count from the start of their
+sequence (varlen too). Tiles start at multiples of 64 keys, or of their width when narrower (config.py's d512 and
+fp32 rows have 32- and 16-key tiles, the interpreter 16 and 32): a narrow tile draws its whole unit and keeps its
+part, so a 32-key tile makes as many calls per key as the 16-bit numbers of the previous design did.
 
-Why those eight keys: they are the columns 8 * w + 2 * q + [0, 2) of one row that a thread holds in the
-accumulator of an MMA (mma.sync and wgmma alike, q = lane % 4), so the forward and dQ kernels build their mask in
-the registers where P sits: their sm_90 PTX has exactly as many shared-memory accesses and barriers as without
-dropout. Eight consecutive keys per call (the first design) spread a call over four threads and cost a round trip
-through shared memory per tile, which made the mask slower than the Q Kᵀ product it masks (docs/perf.md). The
-dK/dV kernel's transposed tile holds two keys of a query per thread, and still converts the mask's layout.
+Why those sixteen keys: they are the columns 8 * g + 2 * q + [0, 2) of one row, over eight consecutive 8-column
+groups, that a thread holds in the accumulator of an MMA (mma.sync and wgmma alike, q = lane % 4), so the forward
+and dQ kernels build their mask in the registers where P sits: their sm_90 PTX has exactly as many shared-memory
+accesses and barriers as without dropout. Eight consecutive keys per call (the first design) spread a call over
+four threads and cost a round trip through shared memory per tile, which made the mask slower than the Q Kᵀ
+product it masks (docs/perf.md). Why 8 bits: with 16-bit numbers, eight a call, Philox's integer work alone was
+about as large as the Q Kᵀ product's (tools/mask_bench.py), and dropout about doubled the time of a forward and
+backward on an H200; sixteen a call halve it. The dK/dV kernel's transposed tile holds two keys of a query per
+thread, and still converts the mask's layout.
 
 `dropout_probs_kernel` writes S_dmask for `return_attn_probs=True` (testing only, one slow pass): the
 probabilities exp(s - lse) of every visible entry, negated where dropped; see ops/dropout.py for the layout.
@@ -37,37 +47,42 @@ TINY = tl.constexpr(1.1754943508222875e-38)  # the least normal fp32: a dropped 
 @triton.jit
 def dropout_state(RNG, dropout_p):
     """(seed, stream, threshold, scale) of a call: the two int64 its op drew from PyTorch's generator
-    (ops/dropout.py), the 16-bit threshold a surviving entry's number reaches, and 1 / (1 - p)."""
+    (ops/dropout.py), the 8-bit threshold a surviving entry's number reaches, and 1 / (1 - p)."""
     seed = tl.load(RNG)
     stream = tl.load(RNG + 1).to(tl.int32)
-    threshold = tl.cast(dropout_p * 65536.0 + 0.5, tl.int32)
+    threshold = tl.cast(dropout_p * 256.0 + 0.5, tl.int32)
     return seed, stream, threshold, 1.0 / (1.0 - dropout_p)
 
 
 @triton.jit
 def _unit_numbers(seed, stream, bh, i, unit, BLOCK_M: tl.constexpr, UNITS: tl.constexpr):
-    """(BLOCK_M, UNITS * 32) 16-bit numbers of the key units unit + [0, UNITS) (Note [dropout mask])."""
+    """(BLOCK_M, UNITS * 64) 8-bit numbers of the key units unit + [0, UNITS) (Note [dropout mask])."""
     zero = tl.zeros([BLOCK_M, UNITS, 4], dtype=tl.int32)
     calls = 4 * (unit + tl.arange(0, UNITS))[:, None] + tl.arange(0, 4)[None, :]
     r0, r1, r2, r3 = tl.philox(seed, calls[None, :, :] + zero, i[:, :, None] + zero, bh + zero, stream + zero,
                                PHILOX_ROUNDS)
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, U, 4 q, 2 b, 2 a): word 2a + b
-    halves = tl.join(words & 0xFFFF, words >> 16)  # (M, U, q, b, a, h)
-    return tl.reshape(tl.permute(halves, [0, 1, 4, 3, 2, 5]), [BLOCK_M, UNITS * 32])
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, U, 4 q, 2 b, 2 a): word 2a + b, g = 4a + 2b + s
+    # Byte 2s + e of a word (s: which of its two groups, e: which key of the pair); the mask keeps 8 bits whether
+    # Philox's words come out signed or not.
+    halves = tl.join(words, words >> 16)  # (M, U, q, b, a, s)
+    numbers = tl.join(halves & 0xFF, (halves >> 8) & 0xFF)  # (M, U, q, b, a, s, e)
+    # Key 64u + 8g + 2q + e = 64u + 32a + 16b + 8s + 2q + e.
+    return tl.reshape(tl.permute(numbers, [0, 1, 4, 3, 5, 2, 6]), [BLOCK_M, UNITS * 64])
 
 
 @triton.jit
 def keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(BLOCK_M, BLOCK_N) booleans: entry (i[r], n_start + c) survives (Note [dropout mask]). i: (BLOCK_M, 1) query
-    rows within the sequence; n_start: a multiple of min(BLOCK_N, 32), the tile's first key within the sequence;
+    rows within the sequence; n_start: a multiple of min(BLOCK_N, 64), the tile's first key within the sequence;
     bh: b * H + h."""
-    if BLOCK_N >= 32:
-        tl.static_assert(BLOCK_N % 32 == 0, "dropout draws keys in units of 32")
-        u = _unit_numbers(seed, stream, bh, i, n_start // 32, BLOCK_M, BLOCK_N // 32)
+    if BLOCK_N >= 64:
+        tl.static_assert(BLOCK_N % 64 == 0, "dropout draws keys in units of 64")
+        u = _unit_numbers(seed, stream, bh, i, n_start // 64, BLOCK_M, BLOCK_N // 64)
     else:
-        unit = tl.reshape(_unit_numbers(seed, stream, bh, i, n_start // 32, BLOCK_M, 1), [BLOCK_M, 32 // BLOCK_N,
-                                                                                           BLOCK_N])
-        part = (tl.arange(0, 32 // BLOCK_N) == (n_start % 32) // BLOCK_N)[None, :, None]
+        # A narrow tile's keys are one part of a unit: draw the unit, keep that part.
+        unit = tl.reshape(_unit_numbers(seed, stream, bh, i, n_start // 64, BLOCK_M, 1),
+                          [BLOCK_M, 64 // BLOCK_N, BLOCK_N])
+        part = (tl.arange(0, 64 // BLOCK_N) == (n_start % 64) // BLOCK_N)[None, :, None]
         u = tl.sum(tl.where(part, unit, 0), axis=1)
     return u.to(tl.int32) >= threshold
 
