@@ -147,10 +147,10 @@ def sink_varlen_case(device, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype,
         dsink_floor = dsink_floor + _dsink_floor(ref_sink, ref_lse, ref_out, dout[None, rq], out[None, rq])
         pt_in = [t[None].detach().clone().requires_grad_() for t in (q[rq], k[rk], v[rk])]
         pt_sink = sink.detach().clone().requires_grad_()
-        pt_out, _ = attention_ref(*pt_in, causal=True, learnable_sink=pt_sink, upcast=False)
+        pt_out, pt_lse = attention_ref(*pt_in, causal=True, learnable_sink=pt_sink, upcast=False)
         *pt_g, pt_gs = torch.autograd.grad(pt_out, [*pt_in, pt_sink], dout[None, rq])
         check_close(f"out[{b}]", out[None, rq], ref_out, pt_out, 2)
-        check_close(f"lse[{b}]", lse[None, :, rq], ref_lse, ref_lse.float(), 2)
+        check_close(f"lse[{b}]", lse[None, :, rq], ref_lse, pt_lse.to(dtype), 2)
         for name, ours, ref, pt in zip(("dq", "dk", "dv"), (grads[0][rq], grads[1][rk], grads[2][rk]), ref_g, pt_g):
             check_close(f"{name}[{b}]", ours[None], ref, pt, 3, max(r.abs().max().item() for r in ref_g))
         ref_dsink += ref_gs
