@@ -375,7 +375,7 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
     (Note [persistent varlen forward]): TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
     sequences first, and within one the last tile first), COUNTER the items handed out so far (0 at launch: the
     list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence; SINK the learnable sinks
-(HAS_SINK; else unused).
+    (HAS_SINK; else unused).
 
     Note [persistent varlen forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
     inside the kernel (globaltimer and clock64 at each phase, H200): its start 0.4 µs (0.9 with the
