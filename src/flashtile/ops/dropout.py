@@ -28,7 +28,12 @@ from .common import alibi_batch_stride, custom_op
 from .fwd import logit_scales
 from .launch import launch_direct
 
-_BLOCK = 64  # S_dmask tiles: a testing pass, not tuned
+
+
+def _block(width: int) -> int:
+    """S_dmask's square tile: a testing pass, not tuned. Its fp32 Q and K tiles stay within 128 KiB of shared memory
+    (sm_90 has 227 KiB): 64 rows up to head dim 256, 32 at 512, 16 at 1024 (a d512 tile of 64 needed 256 KiB)."""
+    return max(16, min(64, 16384 // width))
 
 
 def draw_rng(device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -66,12 +71,13 @@ def dropout_probs(
     k_strides = (0, *k.stride()[:2]) if varlen else k.stride()[:3]
     lse_strides = (0, lse.stride(0)) if varlen else lse.stride()[:2]
     seqlen_q, seqlen_k = (q.shape[0], k.shape[0]) if varlen else (q.shape[1], k.shape[1])
-    grid = (s.shape[2] // _BLOCK, s.shape[3] // _BLOCK, batch * nheads)
+    block = _block(block_d(head_dim))
+    grid = (s.shape[2] // block, s.shape[3] // block, batch * nheads)
     launch_direct(dropout_probs_kernel, grid, q, k, lse, s, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, qk_scale, softcap2, dropout_p, *q_strides, *k_strides, *lse_strides, *s.stride()[:3],
                   alibi_batch_stride(alibi_slopes), seqlen_q, seqlen_k, nheads, nheads // k.shape[-2], window_left,
-                  window_right, attention_chunk, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=_BLOCK,
-                  BLOCK_N=_BLOCK,
+                  window_right, attention_chunk, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block,
+                  BLOCK_N=block,
                   **{name: flags[name] for name in ("IS_VARLEN", "HAS_SEQUSED_Q", "HAS_SEQUSED_K", "MASK_LEFT",
                                                     "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_ALIBI")})
     return s
