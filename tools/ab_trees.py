@@ -10,14 +10,18 @@ Prints one JSON line per case: bf16, hidden 2048 (d128: H=16; --head-dim 64: H=3
 alone costs); with --only decode, one-token decode steps over 8 x 32k caches (GQA 32/8, d128), contiguous and in
 16-token pages (TB/s of K/V read); forward, or forward+backward with --fwdbwd. Each line carries the kernel paths
 that ran and a checksum of the output (of dq, dk and dv with --fwdbwd), which two trees that compute the same thing
-must agree on to within rounding.
+must agree on to within rounding. With --host, each case times the host instead: milliseconds of Python per call
+(the least of five bursts of 100 calls, queued behind a sleep kernel so that no call waits for the GPU), on
+--only small by default (short dense and varlen batches and a decode step, where host time is what a user
+waits for); "tflops" is then calls per millisecond. Only the public API is used, so any older tree can be timed.
 
 Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform,decode]
-             [--window LEFT,RIGHT] [--head-dim 64]
+             [--window LEFT,RIGHT] [--head-dim 64] [--host]
 """
 
 import argparse
 import json
+import time
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
@@ -26,7 +30,7 @@ import flashtile
 
 # The varlen preset's mix (bench/cases.py), repeated here so that an older tree without it can be timed too.
 MIX = (1024, 4096, 300, 2048, 512, 1500, 256, 777, 2200, 384, 640, 256, 1111, 333, 400, 547)
-MIXES = {"mix": MIX, "uni1k": (1024,) * 16, "uni4k": (4096,) * 4}
+MIXES = {"mix": MIX, "uni1k": (1024,) * 16, "uni4k": (4096,) * 4, "short": (128, 37, 256, 1)}
 HIDDEN = 2048
 HEAD_DIM = 128
 
@@ -37,7 +41,8 @@ def cases(only: str):
     uniform = [(b, s, causal) for pair in ((16, 1024), ("uni1k", 0), (4, 4096), ("uni4k", 0)) for b, s in [pair]
                for causal in (False, True)]
     decode = [("decode", 0, False), ("decode_paged", 0, False)]
-    groups = {"dense": dense, "varlen": varlen, "uniform": uniform, "decode": decode}
+    small = [(2, 256, True), ("short", 0, True), ("decode_paged", 0, False)]
+    groups = {"dense": dense, "varlen": varlen, "uniform": uniform, "decode": decode, "small": small}
     return [c for name in only.split(",") for c in groups[name]] if only else dense + varlen
 
 
@@ -82,14 +87,32 @@ def problem(b, s, causal: bool, gen, window=(-1, -1)):
     return call, (q, k, v), flops * (0.5 if causal else 1.0)
 
 
+def host_ms(fn, n=100, bursts=5) -> float:
+    """Least over `bursts` of the host milliseconds per call of fn, each burst queued behind ~1 s of GPU sleep."""
+    best = float("inf")
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+        fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e3)
+        torch.cuda.synchronize()
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("label")
     parser.add_argument("--fwdbwd", action="store_true", help="time forward + backward (FLOPs: 3.5x forward)")
-    parser.add_argument("--only", default=None, help="comma-separated groups: dense, varlen, uniform")
+    parser.add_argument("--only", default=None, help="comma-separated groups: dense, varlen, uniform, decode, small")
     parser.add_argument("--window", default="-1,-1", help="window_size as LEFT,RIGHT (nominal FLOPs)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (heads: 2048 / head dim)")
+    parser.add_argument("--host", action="store_true", help="time the host per call (default --only small)")
     args = parser.parse_args()
+    if args.host and args.only is None:
+        args.only = "small"
     global HEAD_DIM
     HEAD_DIM = args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -108,7 +131,10 @@ def main() -> None:
             def fn():
                 return call(*leaves)
             checked = fn()
-        if decode:  # as serving stacks run it, and as `flashtile bench` times it: replays of a CUDA graph
+        if args.host:
+            ms = host_ms(fn)
+            flops = 1e9  # "tflops" = calls per ms
+        elif decode:  # as serving stacks run it, and as `flashtile bench` times it: replays of a CUDA graph
             torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream that does not wait for this one
             ms = do_bench_cudagraph(fn, rep=400, return_mode="median")
         else:

@@ -7,7 +7,9 @@ found the backward's illegal memory access at head dims above 128.
 
     PYTHONPATH=src python tools/stress.py --minutes 5 --procs 8 [--reruns 20] [--json stress.json]
 
-Prints one line per process at the end and a total; exits 1 if any check failed or any process died.
+Prints one line per process at the end and a total; exits 1 if any check failed or any process died. --log PATH
+appends one JSON line per finished problem as it finishes (worker, kind, seconds, error), so that a run cut short
+by a time limit still says what it ran.
 """
 
 from __future__ import annotations
@@ -200,22 +202,27 @@ def _run(case: dict, reruns: int) -> None:
             testing.check_close(f"decode out[{b}]", out[b:b + 1], ref, base, 2)
 
 
-def _worker(index: int, seed: int, deadline: float, reruns: int, kinds: list[str], results) -> None:
+def _worker(index: int, seed: int, deadline: float, reruns: int, kinds: list[str], results, log) -> None:
     import torch
 
     rng = random.Random(seed * 1000 + index)
     done, failures = {}, []
     while time.time() < deadline:
         case = _case(rng, kinds)
+        start, error = time.time(), None
         try:
             _run(case, reruns)
         except Exception as e:  # a failed check or a CUDA error: record it, go on while the context lives
-            failures.append({"case": case, "error": f"{type(e).__name__}: {e}"[:2000],
-                             "trace": traceback.format_exc()[-2000:]})
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            elif "CUDA" in str(e) or "illegal" in str(e):
-                break  # the context is lost: every later call would fail the same way
+            error = f"{type(e).__name__}: {e}"[:2000]
+            failures.append({"case": case, "error": error, "trace": traceback.format_exc()[-2000:]})
+        if log:
+            with open(log, "a") as f:
+                f.write(json.dumps({"worker": index, "kind": case["kind"], "seconds": round(time.time() - start, 2),
+                                    "error": error, "case": case if error else None}) + "\n")
+        if error and error.startswith("OutOfMemoryError"):
+            torch.cuda.empty_cache()
+        elif error and ("CUDA" in error or "illegal" in error):
+            break  # the context is lost: every later call would fail the same way
         done[case["kind"]] = done.get(case["kind"], 0) + 1
     results.put({"worker": index, "cases": done, "failures": failures})
 
@@ -229,6 +236,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default=",".join(dict.fromkeys(KINDS)),
                         help="comma-separated kinds of problem to draw (default: all, as weighted in KINDS)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--log", default=None, help="append a JSON line per finished problem to this file")
     args = parser.parse_args(argv)
     wanted = args.kinds.split(",")
     unknown = set(wanted) - set(KINDS)
@@ -238,7 +246,7 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     deadline = time.time() + 60 * args.minutes
-    procs = [ctx.Process(target=_worker, args=(i, args.seed, deadline, args.reruns, kinds, results))
+    procs = [ctx.Process(target=_worker, args=(i, args.seed, deadline, args.reruns, kinds, results, args.log))
              for i in range(args.procs)]
     for p in procs:
         p.start()
