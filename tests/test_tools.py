@@ -112,3 +112,29 @@ def test_mask_bench_kernels_compile_for_sm90():
     shared = dict(line.split() for line in proc.stdout.splitlines())
     assert set(shared) == {"product", "masked", "philox"}
     assert shared["masked"] == shared["product"], shared
+
+
+RACECHECK_PROBE_SM90 = """
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+spec = importlib.util.spec_from_file_location("racecheck_probe", sys.argv[1])
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+for wait in (0, 1):
+    src = GluonASTSource(probe.handoff_kernel, {"IN": "*fp32", "OUT": "*fp32", "WAIT": "constexpr"}, {(2,): wait})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    print(wait, "try_wait" in ptx, "mbarrier.arrive" in ptx)
+"""
+
+
+def test_racecheck_probe_builds_for_sm90():
+    """tools/racecheck_probe.py runs only on a GPU: its kernel builds for sm_90 here, its producer arrives on the
+    mbarrier, and only the race-free variant waits on it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", RACECHECK_PROBE_SM90, os.path.join(TOOLS, "racecheck_probe.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["0 False True", "1 True True"], proc.stdout
