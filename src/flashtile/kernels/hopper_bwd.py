@@ -56,8 +56,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, pass_over, publish_item, read_item,
-                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from triton.language.core import _aggregate as aggregate
+
+from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, item_fields, pass_over, publish_item,
+                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
+                            zero_rows_from)
 from .masking import LOG2E, chunk_start, q_block_range
 
 
@@ -126,6 +129,36 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, la
                n_tiles, 0, 0, seqlen_q, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, False)
 
 
+@aggregate
+class _Item:
+    """One work item as the persistent loader describes it to the consumers, in publish_item's field order
+    (hopper_common): `valid` (false for the first item past the list, which ends the program), the KV head, the
+    item's first key row in its sequence, where the sequence's queries and keys start in the packed tensors, both
+    lengths, and its query tiles (_query_tiles: the first one's row, the front and middle counts, how many)."""
+    valid: gl.tensor
+    hk: gl.tensor
+    n_start: gl.tensor
+    q_row0: gl.tensor
+    seqlen_q: gl.tensor
+    k_row0: gl.tensor
+    seqlen_k: gl.tensor
+    lo: gl.tensor
+    n_front: gl.tensor
+    n_mid: gl.tensor
+    n_tiles: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles):
+        item_fields(self, locals())
+
+
+@gluon.jit
+def _read_item(slot):
+    """The item _varlen_loader published in slot."""
+    valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles = read_item(slot)
+    return _Item(valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles)
+
+
 @gluon.jit
 def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
                    CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
@@ -149,7 +182,8 @@ def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, r
         lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, chunk, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                    MASK_RIGHT, MASK_CHUNK)
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles)
+        publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid,
+                     n_tiles)  # _Item
         if valid:
             n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets.held, ring, landed, b,
                                   hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, sets.buffer(r, 0), n_landed,
@@ -308,17 +342,18 @@ def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DEL
     done = False
     while not done:
         sets.wait_held(r, c)
-        valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid, n_tiles = read_item(sets.info_slot(r))
+        item = _read_item(sets.info_slot(r))
         if r > 0:
             tma.store_wait(pendings=0)
             sets.release(sets.previous(r, c))
-        if valid:
-            lse_off = (hk * GROUP).to(gl.int64) * stride_lh + q_row0
+        if item.valid:
+            lse_off = (item.hk * GROUP).to(gl.int64) * stride_lh + item.q_row0
             _consume_item(c, sets.buffer(r, c), dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
-                          0, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, sq, sk, wl, wr,
-                          chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
-                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
-            it0 += GROUP * n_tiles
+                          0, item.hk, item.n_start, item.lo, item.n_front, item.n_mid, item.n_tiles, lse_off,
+                          stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
+                          stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP,
+                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
+            it0 += GROUP * item.n_tiles
         else:
             done = True
         r += 1

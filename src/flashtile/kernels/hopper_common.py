@@ -308,8 +308,9 @@ def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROW
 @gluon.jit
 def publish_item(slot, valid, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10):
     """A persistent loader's description of a work item, for its consumers (read_item): valid and ten int32 fields,
-    into a 16-wide int32 row of shared memory. The thread barrier orders the warp's shared writes before its next
-    arrival on a barrier the consumers wait on (the item's first TMA load's `expect`) before reading."""
+    into a 16-wide int32 row of shared memory; each kernel names the fields in an `_Item` aggregate. The thread
+    barrier orders the warp's shared writes before its next arrival on a barrier the consumers wait on (the item's
+    first TMA load's `expect`) before reading."""
     layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     i = gl.arange(0, 16, layout=layout)
     v = gl.where(i == 0, valid.to(gl.int32), 0)
@@ -325,6 +326,14 @@ def publish_item(slot, valid, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10):
     v = gl.where(i == 10, f10, v)
     slot.store(v)
     gl.thread_barrier()
+
+
+@gluon.constexpr_function
+def item_fields(item, fields: dict) -> None:
+    """An `_Item` aggregate's constructor body: its fields from the constructor's arguments (`locals()`)."""
+    for name, value in fields.items():
+        if name != "self":
+            setattr(item, name, value)
 
 
 @gluon.jit

@@ -55,9 +55,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, pass_over, publish_item,
-                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
-                            zero_rows_from)
+from triton.language.core import _aggregate as aggregate
+
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, item_fields, pass_over,
+                            publish_item, read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store,
+                            work_item, zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
@@ -106,6 +108,33 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, la
                n_blocks, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, False)
 
 
+@aggregate
+class _Item:
+    """One work item as the persistent loader describes it to the consumers, in publish_item's field order
+    (hopper_common): `valid` (false for the first item past the list, which ends the program), the query head, the
+    item's first query row in its sequence, where the sequence's queries start in the packed tensor, both lengths,
+    the item's first key block and how many it has."""
+    valid: gl.tensor
+    h: gl.tensor
+    m_start: gl.tensor
+    q_row0: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    lo: gl.tensor
+    n_blocks: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks):
+        item_fields(self, locals())
+
+
+@gluon.jit
+def _read_item(slot):
+    """The item _varlen_loader published in slot."""
+    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, _, _, _ = read_item(slot)
+    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks)
+
+
 @gluon.jit
 def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
                    CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
@@ -130,7 +159,7 @@ def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, r
                                       chunk, MASK_CHUNK)
         n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)  # _Item
         if valid:
             n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets.held, ring, landed, 0,
                                   h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, sets.buffer(r, 0),
@@ -250,17 +279,18 @@ def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_
     while not done:
         qi = sets.buffer(r, c)
         sets.wait_held(r, c)
-        valid, h, m_start, q_row0, sq, sk, lo, n_blocks, _, _, _ = read_item(sets.info_slot(r))
+        item = _read_item(sets.info_slot(r))
         if r > 0:
             tma.store_wait(pendings=0)
             sets.release(sets.other(qi))
-        if valid:
-            h64 = h.to(gl.int64)
-            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, 0, h, m_start, lo, n_blocks,
-                          q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om, h64 * stride_lh + q_row0,
-                          q_row0, sq, sk, wl, wr, chunk, qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
-            it0 += n_blocks
+        if item.valid:
+            h64 = item.h.to(gl.int64)
+            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, 0, item.h, item.m_start,
+                          item.lo, item.n_blocks, item.q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om,
+                          h64 * stride_lh + item.q_row0, item.q_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
+                          qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM, BLOCK_M, BLOCK_N,
+                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
+            it0 += item.n_blocks
         else:
             done = True
         r += 1

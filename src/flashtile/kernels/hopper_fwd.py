@@ -38,8 +38,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, publish_item, read_item,
-                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from triton.language.core import _aggregate as aggregate
+
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, item_fields, publish_item,
+                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
+                            zero_rows_from)
 from .masking import LN2, LOG2E, apply_mask, kv_block_range
 from .softmax import sink_state
 
@@ -86,6 +89,35 @@ def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, 
     return valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo, full_hi, n_blocks
 
 
+@aggregate
+class _Item:
+    """One work item as the persistent loader describes it to the consumers, in publish_item's field order
+    (hopper_common): `valid` (false for the first item past the list, which ends the program), the query head, the
+    item's first query row in its sequence, where the sequence's queries start in the packed tensor, both lengths,
+    and the item's key blocks (lo, the mask-free [full_lo, full_hi), how many)."""
+    valid: gl.tensor
+    h: gl.tensor
+    m_start: gl.tensor
+    q_row0: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    lo: gl.tensor
+    full_lo: gl.tensor
+    full_hi: gl.tensor
+    n_blocks: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks):
+        item_fields(self, locals())
+
+
+@gluon.jit
+def _read_item(slot):
+    """The item _varlen_loader published in slot."""
+    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, _ = read_item(slot)
+    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks)
+
+
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, b, h, hk, m_start, lo, n_blocks,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -113,7 +145,7 @@ def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, 
             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         valid = valid & (w < n_items)
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)  # _Item
         if valid:
             _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets.held, k_ring, v_ring, b, h, h // GROUP, m_start,
                        lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, True)
@@ -345,14 +377,15 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, s
     done = False
     while not done:
         sets.wait_held(r, c)
-        valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, _ = read_item(sets.info_slot(r))
-        if valid:
-            lse_off = h.to(gl.int64) * stride_lh + q_row0
-            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, 0, h, m_start, lo, full_lo,
-                          full_hi, n_blocks, lse_off, q_row0, sq, sk, wl, wr, chunk, qk_scale, stride_om, stride_oh,
+        item = _read_item(sets.info_slot(r))
+        if item.valid:
+            lse_off = item.h.to(gl.int64) * stride_lh + item.q_row0
+            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, 0, item.h, item.m_start,
+                          item.lo, item.full_lo, item.full_hi, item.n_blocks, lse_off, item.q_row0, item.seqlen_q,
+                          item.seqlen_k, wl, wr, chunk, qk_scale, stride_om, stride_oh,
                           it0, sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
                           MASK_CHUNK, True, HAS_SINK)
-            it0 += n_blocks
+            it0 += item.n_blocks
         else:
             done = True
         r += 1
