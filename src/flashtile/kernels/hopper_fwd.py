@@ -37,7 +37,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
-
 from triton.language.core import _aggregate as aggregate
 
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, item_fields, publish_item,

@@ -29,7 +29,6 @@ from .fwd import logit_scales
 from .launch import launch_direct
 
 
-
 def _block(width: int) -> int:
     """S_dmask's square tile: a testing pass, not tuned. Its fp32 Q and K tiles stay within 128 KiB of shared memory
     (sm_90 has 227 KiB): 64 rows up to head dim 256, 32 at 512, 16 at 1024 (a d512 tile of 64 needed 256 KiB)."""
