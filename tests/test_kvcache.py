@@ -683,3 +683,36 @@ def test_out_of_range_block_table_stays_inside_the_cache(device, monkeypatch):
     for buf, old in zip((buf_k, buf_v), before):
         assert torch.equal(buf[0].nan_to_num(7.0), old[0].nan_to_num(7.0))
         assert torch.equal(buf[2].nan_to_num(7.0), old[2].nan_to_num(7.0))
+
+
+def test_index_value_checks_agree_with_the_elementwise_rule():
+    """problem._check_values decides from a few extremes (min/max reductions, one device-to-host copy): on random
+    index tensors it raises exactly when some entry breaks the elementwise rule, and names a broken argument."""
+    g = torch.Generator().manual_seed(0)
+
+    def randint(lo, hi, shape):
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32)
+
+    for trial in range(400):
+        batch, pages, page_size, cols = (int(x) for x in randint(1, 5, (4,)))
+        cap, new = cols * page_size, int(randint(0, 3, ()))
+        seqlens = randint(-1, cap + 2, (batch,))
+        leftpad = randint(-1, cap + 1, (batch,)) if trial % 3 == 0 else None
+        batch_idx = randint(-1, pages + 1, (batch,)) if trial % 3 == 1 else None
+        table = randint(-2, pages + 2, (batch, cols)) if trial % 3 != 1 else None
+        k_cache = torch.zeros(pages, page_size, 1, 8)
+        bad = {"cache_seqlens": bool(((seqlens < 0) | (seqlens + new > cap)).any())}
+        if leftpad is not None:
+            bad["cache_leftpad"] = bool(((leftpad < 0) | (leftpad > seqlens)).any())
+        if batch_idx is not None:
+            bad["cache_batch_idx"] = bool(((batch_idx < 0) | (batch_idx >= pages)).any())
+        if table is not None:
+            rows = seqlens.clamp(0, cap) + new
+            owned = torch.arange(cols)[None, :] * page_size < rows[:, None]
+            bad["block_table"] = bool((owned & ((table < 0) | (table >= pages))).any())
+        args = (k_cache, seqlens, batch_idx, leftpad, table, cap, new)
+        if any(bad.values()):
+            with pytest.raises(ValueError, match=next(name for name, b in bad.items() if b)):
+                problem._check_values(*args)
+        else:
+            problem._check_values(*args)

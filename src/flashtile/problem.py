@@ -570,8 +570,33 @@ def _check_rotary(cos, sin, k, q, head_dim: int, cap: int) -> None:
 
 def _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap: int,
                   seqlen_new: int) -> None:
-    """Checks on the values of the index tensors (Note [cache index checks]): one device-to-host copy of a few
-    flags, and a second only to name the first bad entry when one fails."""
+    """Checks on the values of the index tensors (Note [cache index checks]): the extremes that decide them, a few
+    reductions read back in one device-to-host copy (each op of an eager call costs host time: a paged decode step
+    pays this on every call), and only when one fails a second pass that names the first bad entry."""
+    if cache_seqlens.numel() == 0:
+        return
+    # (least, greatest, the greatest allowed) of each check's values; the least must be >= 0.
+    bounds = [(*torch.aminmax(cache_seqlens), cap - seqlen_new)]
+    if cache_leftpad is not None:
+        bounds.append((cache_leftpad.min(), (cache_leftpad - cache_seqlens).max(), 0))
+    if cache_batch_idx is not None:
+        bounds.append((*torch.aminmax(cache_batch_idx), k_cache.shape[0] - 1))
+    if block_table is not None:
+        # Only the pages a sequence owns (those holding rows < cache_seqlens + seqlen_new) must be pages of the
+        # cache; the rest of its row may hold anything (e.g. -1 padding), since it is never read.
+        page_size = k_cache.shape[1]
+        first_rows = torch.arange(0, block_table.shape[1] * page_size, page_size, device=block_table.device)
+        owned = first_rows[None, :] < (cache_seqlens.clamp(0, cap) + seqlen_new)[:, None]
+        bounds.append((*torch.aminmax(torch.where(owned, block_table, 0)), k_cache.shape[0] - 1))
+    values = torch.stack([t for least, greatest, _ in bounds for t in (least, greatest)]).tolist()
+    if all(values[2 * i] >= 0 and values[2 * i + 1] <= allowed for i, (_, _, allowed) in enumerate(bounds)):
+        return
+    _name_first_bad(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap, seqlen_new)
+
+
+def _name_first_bad(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cap: int,
+                    seqlen_new: int) -> None:
+    """Raise the ValueError that names the first bad entry of the index tensors (_check_values found one)."""
     seqlens = cache_seqlens.long()
     conditions = [("cache_seqlens", (seqlens < 0) | (seqlens + seqlen_new > cap))]
     if cache_leftpad is not None:
@@ -579,16 +604,13 @@ def _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_
     if cache_batch_idx is not None:
         conditions.append(("cache_batch_idx", (cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])))
     if block_table is not None:
-        # Only the pages a sequence owns (those holding rows < cache_seqlens + seqlen_new) must be pages of the
-        # cache; the rest of its row may hold anything (e.g. -1 padding), since it is never read.
         page_size = k_cache.shape[1]
         owned = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < (
             seqlens.clamp(0, cap) + seqlen_new)[:, None]
         conditions.append(("block_table", owned & ((block_table < 0) | (block_table >= k_cache.shape[0]))))
-    failed = torch.stack([bad.any() for _, bad in conditions]).tolist()
-    if not any(failed):
+    name, bad = next(((name, bad) for name, bad in conditions if bad.any()), (None, None))
+    if name is None:  # a table of pages whose rows hold no key: nothing owned, nothing to name
         return
-    name, bad = conditions[failed.index(True)]
     index = tuple(int(i) for i in bad.nonzero()[0])
     if name == "cache_seqlens":
         b = index[0]
