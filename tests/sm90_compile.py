@@ -173,7 +173,8 @@ def scenarios():
                 for n, thunk in ones]
     # Dropout's S_dmask pass (return_attn_probs), dense and varlen with every flag.
     out += [(f"d{d} dropout probs", lambda d=d: flashtile.flash_attn_func(
-        *(_rand(2, 70, 4, d) for _ in range(3)), dropout_p=0.1, return_attn_probs=True, **every)) for d in (64, 128, 512)]
+        *(_rand(2, 70, 4, d) for _ in range(3)), dropout_p=0.1, return_attn_probs=True, **every))
+        for d in (64, 128, 512)]
     out += [("d64 varlen dropout probs", lambda: flashtile.flash_attn_varlen_func(
         _rand(71, 4, 64), _rand(60, 2, 64), _rand(60, 2, 64), _cu((70, 1)), _cu((30, 30)), 70, 30, dropout_p=0.1,
         return_attn_probs=True, seqused_q=torch.tensor([60, 1], dtype=torch.int32), alibi_slopes=torch.rand(4),
