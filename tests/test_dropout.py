@@ -84,6 +84,15 @@ def test_dropout_with_other_features(device, features):
         dropout_case(device, 1, 17, 20, 2, 1, 512, torch.float16, causal=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout_at_the_gpu_tiles(device, head_dim, causal):
+    """Lengths that cross several of the GPU table's tiles, which differ with dropout (config.DROPOUT: the d64
+    dK/dV kernel's 64 x 64), and odd lengths whose last tiles are partial."""
+    dropout_case(device, 2, 300, 333, 4, 2, head_dim, torch.bfloat16, causal=causal)
+
+
 def test_dropout_varlen_and_packed(device):
     """flash_attn_varlen_func: S_dmask is (B, H, max_seqlen_q and max_seqlen_k rounded up to 128), sequence b's
     entries in its top-left corner, checked per sequence; the qkv-packed form too."""

@@ -79,6 +79,15 @@ FP32: dict[str, dict[int, TileConfig]] = {
     "bwd_dq": {128: TileConfig(64, 64, 4, 2, _FP32), 256: TileConfig(32, 32, 4, 2, _FP32),
                512: TileConfig(32, 16, 8, 1, _FP32)},
 }
+_DROPOUT_D64 = ("measured on H200, 2026-12-02, triton 3.6, p = 0.1 (tools/kernel_times.py): dK/dV kernel µs at "
+                "S = 1k / 4k, non-causal and causal, 1366 / 4917 / 826 / 2536 against the table's (32, 128, 4, 3) "
+                "1342 / 4888 / 1100 / 3585; (32, 64, 4, 3) 1306 / 4720 / 942 / 3073, (32, 128, 8, 3) 1542 / "
+                "5529 / 1083 / 3363. Without dropout the table's tile is the fastest of these")
+# kernel -> padded head dim -> config with dropout where the mask changes which tile is fastest (the dK/dV kernel's
+# tile is keys x queries, so the mask, drawn per query row, changes layout in it: Note [dropout mask]).
+DROPOUT: dict[str, dict[int, TileConfig]] = {
+    "bwd_dkdv": {64: TileConfig(64, 64, 4, 3, _DROPOUT_D64)},
+}
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
     "bwd_dkdv": TileConfig(16, 32, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
@@ -138,19 +147,21 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
-    """The config of `kernel` at this head dim, for fp32 inputs if `fp32`."""
+def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
+    """The config of `kernel` at this head dim, for fp32 inputs if `fp32`, with dropout if `dropout`."""
     if env.INTERPRET:
         return _INTERPRETER[kernel]
-    return table_config(kernel, head_dim, fp32)
+    return table_config(kernel, head_dim, fp32, dropout)
 
 
-def table_config(kernel: str, head_dim: int, fp32: bool = False) -> TileConfig:
+def table_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
     """The GPU table's config of `kernel` (what tile_config gives outside the interpreter; `flashtile info` shows
-    it on any machine)."""
+    it on any machine). fp32 takes precedence: its tiles are the ones that fit shared memory."""
     d = block_d(head_dim)
     if fp32 and d in FP32[kernel]:
         return FP32[kernel][d]
+    if dropout and d in DROPOUT.get(kernel, {}):
+        return DROPOUT[kernel][d]
     return TABLE[kernel][d]
 
 

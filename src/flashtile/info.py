@@ -86,12 +86,12 @@ def environment() -> dict:
             "hopper_path": env.hopper(), "tested": TESTED}
 
 
-def _tiles(gluon: bool, head_dim: int, fp32: bool, backward: bool) -> dict:
+def _tiles(gluon: bool, head_dim: int, fp32: bool, backward: bool, dropout: bool) -> dict:
     names = KERNELS if backward else KERNELS[:1]
     if gluon:
         cfgs = {k: HOPPER[k][head_dim] for k in names}
         return {k: f"{c.block_m}x{c.block_n} s{c.stages}" for k, c in cfgs.items()}
-    cfgs = {k: table_config(k, head_dim, fp32) for k in names}
+    cfgs = {k: table_config(k, head_dim, fp32, dropout) for k in names}
     return {k: f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" for k, c in cfgs.items()}
 
 
@@ -117,7 +117,8 @@ def coverage() -> dict:
                 paged = feature == "paged"
                 row = {"dtype": dtype_name, "head_dim": d, "feature": feature,
                        "path": HOPPER_PATH if gluon else TRITON, "why": reason,
-                       "tiles": _tiles(gluon, d, dtype == torch.float32, backward=not paged)}
+                       "tiles": _tiles(gluon, d, dtype == torch.float32, backward=not paged,
+                                       dropout=props.get("dropout", False))}
                 if paged:
                     c = DECODE_TABLE[block_d(d)]
                     row["tiles"]["decode"] = f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"

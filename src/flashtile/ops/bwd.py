@@ -208,7 +208,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
                (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan_k is None else plan_k.schedule, p.rng, *scalars),
-               lambda: static("bwd_dkdv"), pdl=pdl)
+               lambda: static("bwd_dkdv"), pdl=pdl, dropout=p.dropout_p > 0.0)
     record("bwd_dkdv", TRITON)
     return grads, delta
 
