@@ -95,6 +95,8 @@ def normalize_window(causal: bool, window_size) -> tuple[int, int]:
     """(left, right) as ints from what flash-attn accepts: None, or any two-element sequence (tuple, list, tensor,
     numpy array) whose items are integers (Python or numpy ints, one-element integer tensors) or None; -1 or None
     means unbounded. causal sets right to 0."""
+    if type(window_size) is tuple and len(window_size) == 2 and all(type(w) is int and w >= -1 for w in window_size):
+        return window_size[0], 0 if causal else window_size[1]  # the common case: a pair of Python ints
     if window_size is None:
         window_size = (-1, -1)
     if isinstance(window_size, (str, bytes)):
@@ -133,6 +135,8 @@ def _window_entry(w, window_size) -> int:
 
 def check_dropout(dropout_p) -> float:
     """flash-attn's rule: a probability in [0, 1) (1 would drop every entry and divide by 0)."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the common case, without the ABC checks below
+        return dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:  # NaN fails too
@@ -194,6 +198,8 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device) -> None:
 
 def check_chunk(attention_chunk) -> int:
     """attention_chunk (FlashAttention-3's name, Llama 4's chunked attention): an int >= 0, 0 for none."""
+    if type(attention_chunk) is int and attention_chunk >= 0:  # the common case, without the ABC checks below
+        return attention_chunk
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}")
     if attention_chunk < 0:
@@ -287,11 +293,12 @@ def _common(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_k, 
         raise ValueError(f"seqlen_q and seqlen_k must be >= 1, got {seqlen_q} and {seqlen_k}")
     if not varlen:
         check_grid_limits(batch, nheads)
+    dropout_p = check_dropout(dropout_p)
     softmax_scale = check_scalar_args(dropout_p, softmax_scale, softcap, head_dim)
     check_alibi(alibi_slopes, batch, nheads, q.device)
     left, right = normalize_window(causal, window_size)
     return AttnProblem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, head_dim_v, q.dtype, softmax_scale,
-                       left, right, float(softcap), alibi_slopes is not None, varlen, paged, check_dropout(dropout_p),
+                       left, right, float(softcap), alibi_slopes is not None, varlen, paged, dropout_p,
                        check_sink(learnable_sink, nheads, q.device), check_chunk(attention_chunk))
 
 

@@ -73,16 +73,37 @@ class _Entry(NamedTuple):
 _CACHE: dict[tuple, _Entry] = {}
 
 
+def _tensor_signature(x: torch.Tensor) -> tuple:
+    return x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
+
+
 def _signature(x):
+    # The exact types a launch passes first, by one dict lookup: this runs for every argument of every launch.
+    by_type = _BY_TYPE.get(type(x))
+    if by_type is not None:
+        return by_type(x)
     if x is None or isinstance(x, (int, str)):  # bools are ints
         return x
     if isinstance(x, torch.Tensor):
-        return x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
+        return _tensor_signature(x)
     if isinstance(x, float):
         return float
     if hasattr(x, "block_shape") and hasattr(x, "base"):  # Triton's and Gluon's TensorDescriptor
-        return _signature(x.base), tuple(x.block_shape), getattr(x, "layout", None)
+        _BY_TYPE[type(x)] = _descriptor_signature
+        return _descriptor_signature(x)
     return x
+
+
+def _descriptor_signature(x) -> tuple:
+    return _signature(x.base), tuple(x.block_shape), getattr(x, "layout", None)
+
+
+def _same(x):
+    return x
+
+
+_BY_TYPE = {type(None): _same, int: _same, bool: _same, str: _same, float: lambda x: float,
+            torch.Tensor: _tensor_signature, torch.nn.Parameter: _tensor_signature}
 
 
 def signature(*xs) -> tuple:
