@@ -146,10 +146,19 @@ def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left
                 attention_chunk: int, varlen: bool) -> dict:
     """The constexprs every Gluon kernel takes: tile, head dim, GQA group, mask flags."""
     nheads, head_dim = q.shape[-2:]
-    flags = kernel_flags(window_left, window_right, 0.0, False, False, False, False, torch.float16,
-                         chunk=attention_chunk)
-    return dict(HEAD_DIM=head_dim, GROUP=nheads // k.shape[-2], MASK_LEFT=flags["MASK_LEFT"],
-                MASK_RIGHT=flags["MASK_RIGHT"], MASK_CHUNK=flags["MASK_CHUNK"], IS_VARLEN=varlen, **cfg.kwargs())
+    return dict(_shared_constexprs(cfg, head_dim, nheads // k.shape[-2], window_left >= 0, window_right >= 0,
+                                   attention_chunk > 0, varlen))
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_constexprs(cfg: HopperConfig, head_dim: int, group: int, left: bool, right: bool, chunk: bool,
+                       varlen: bool) -> dict:
+    """_constexprs of a problem class, built once: the flags from kernel_flags (their one source), whose window
+    and chunk arguments matter only as on or off."""
+    flags = kernel_flags(0 if left else -1, 0 if right else -1, 0.0, False, False, False, False, torch.float16,
+                         chunk=1 if chunk else 0)
+    return dict(HEAD_DIM=head_dim, GROUP=group, MASK_LEFT=flags["MASK_LEFT"], MASK_RIGHT=flags["MASK_RIGHT"],
+                MASK_CHUNK=flags["MASK_CHUNK"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
