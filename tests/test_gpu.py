@@ -163,7 +163,7 @@ HOPPER_VARLEN = {"mixed": ([700, 0, 129, 1, 2048, 65], [700, 0, 129, 1, 2048, 65
 def test_hopper_varlen(device, monkeypatch, lengths, mask, programs):
     """Varlen batches through the Gluon kernels (descriptors over the packed tensors, Note [varlen descriptors];
     the tile list of ops/schedule.varlen_plan) against the per-sequence fp64 oracle, on NaN-guarded inputs. The
-    persistent kernels (Notes [persistent varlen forward], [persistent varlen dQ] and [persistent varlen dK/dV]) also
+    persistent kernels (Notes [persistent forward], [persistent varlen dQ] and [persistent varlen dK/dV]) also
     run on 3 programs, each of which then works through items of every length, its ring and its two buffer sets
     running on from one item to the next."""
     _need_hopper(device)

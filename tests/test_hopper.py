@@ -176,7 +176,13 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     else:
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
         side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]
-        assert grid == (-(-side // rows), 2 if which == "bwd_dkdv" else 4, 2)
+        if which == "fwd":
+            # Persistent too, over batch x heads x query tiles (_dense_item), with a work counter of its own.
+            n_items = 2 * 4 * -(-side // rows)
+            assert (ints["n_items"], ints["heads"]) == (n_items, 4) and grid == (min(n_items, 7), 1, 1)
+            assert named["COUNTER"].dtype == torch.int32 and named["COUNTER"].tolist() == [0]
+        else:
+            assert grid == (-(-side // rows), 2 if which == "bwd_dkdv" else 4, 2)
 
 
 def test_fallback_is_logged_once_per_reason(fake_sm90, monkeypatch, caplog):

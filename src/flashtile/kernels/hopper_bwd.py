@@ -377,7 +377,7 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     ops/bwd.py, and within one the first key tile first), COUNTER the items handed out so far (0 at launch). DK_PTR
     and DV_PTR are dK's and dV's tensors, for a sequence's last key tile.
 
-    Note [persistent varlen dK/dV]: the forward's persistence (Note [persistent varlen forward] in hopper_fwd.py)
+    Note [persistent varlen dK/dV]: the forward's persistence (Note [persistent forward] in hopper_fwd.py)
     applied to this kernel. One program per SM; the loader takes (sequence, KV head, key tile) items from COUNTER
     in the list's order (hopper_common.work_item: tiles fastest within a sequence), and the Q/dO ring runs on from
     one item to the next. K and V have two sets of buffers, item r in set r % 2, so the next item's K and V load

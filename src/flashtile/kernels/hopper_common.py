@@ -280,7 +280,7 @@ def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
 @gluon.jit
 def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROWS: gl.constexpr,
               LAST_FIRST: gl.constexpr, KEY_TILES: gl.constexpr):
-    """Work item w of a persistent varlen kernel (the forward's Note [persistent varlen forward]): the items of one
+    """Work item w of a persistent varlen kernel (the forward's Note [persistent forward]): the items of one
     sequence are its heads x tiles, tiles fastest, and occupy items [first * heads, (first + n) * heads) when the
     tile list (ops/schedule.varlen_plan) holds the sequence's n tiles of ROWS rows at entries [first, first + n),
     the last tile first if LAST_FIRST. Entry w // heads lies in that run, so it names the sequence; where in the run

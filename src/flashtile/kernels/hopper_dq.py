@@ -27,7 +27,7 @@ it would reach every row (0 x inf in dS K and in dO Vᵀ's dS), so the loader la
 on a barrier of its own, zeroes those rows of K and V (zero_rows_from) and only then releases the slot, as the
 dK/dV loader does for Q and dO.
 
-Note [persistent varlen dQ]: the forward's and dK/dV's persistence (Notes [persistent varlen forward] in
+Note [persistent varlen dQ]: the forward's and dK/dV's persistence (Notes [persistent forward] in
 hopper_fwd.py and [persistent varlen dK/dV] in hopper_bwd.py) for the dQ pass. One program per SM takes (sequence,
 head, query tile) items from a work counter over the plan's last-first list of 2 x BLOCK_M-row tiles (the
 forward's list; counters[2] of ops/schedule.Plan); two sets of Q/dO buffers, item r in set r % 2, so that the next

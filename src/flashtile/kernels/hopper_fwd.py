@@ -1,10 +1,10 @@
 """The Hopper forward: a warp-specialised Gluon kernel for sm_90 (H100/H200), FlashAttention-3's structure.
 
-One program computes 2 x BLOCK_M query rows of one (sequence, head); a varlen program is persistent and computes
-one such item after another (Note [persistent varlen forward]):
+A program is persistent: it computes work items of 2 x BLOCK_M query rows of one (sequence, head), one after
+another, dense and varlen batches alike (Note [persistent forward]):
 
-  loader partition (1 warp)            TMA: both Q tiles once, then K_j and V_j into a ring of STAGES slots; it
-                                       waits on a slot's `empty` barrier before refilling it
+  loader partition (1 warp)            TMA: each item's two Q tiles, then K_j and V_j into rings of STAGES - 1 and
+                                       STAGES slots; it waits on a slot's `empty` barrier before refilling it
   two consumer partitions (4 warps)    one BLOCK_M-row Q tile each, the same K/V slots. Per key block:
                                          issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait for S_j only
                                          online softmax of S_j                 (under P_{j-1} V_{j-1})
@@ -39,9 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, item_fields, publish_item,
-                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
-                            zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, item_fields, publish_item, read_item,
+                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LN2, LOG2E, apply_mask, kv_block_range
 from .softmax import sink_state
 
@@ -49,9 +48,9 @@ from .softmax import sink_state
 @gluon.jit
 def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, k_ring, v_ring, b, h, hk, m_start, lo, n_blocks,
                q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The loads of one work item: its two Q tiles into Q buffers q0 and q0 + 1, then its key blocks into the K/V
-    rings (K in k_ring, V in v_ring; for a dense batch one ring holding both) from ring position it0 on.
-    q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense batch)."""
+    """The loads of one work item: its two Q tiles into Q buffers q0 and q0 + 1, then its key blocks into the K and
+    V rings from ring position it0 on. q_row0 and k_row0: where the sequence's rows start in the packed tensors
+    (varlen; 0 for a dense batch, whose descriptors take the sequence b)."""
     for c in gl.static_range(2):
         mbarrier.expect(held.index(q0 + c), q_desc.block_type.nbytes)
         tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, held.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
@@ -60,18 +59,13 @@ def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, k_ring, v_ring, b, h
         k_ring.wait_empty(it)
         slot = k_ring.slot(it)
         row = k_row0 + lo + j * BLOCK_N
-        if IS_VARLEN:  # K and V in rings of their own (Note [persistent varlen forward])
-            mbarrier.expect(k_ring.ready_bar(it), k_desc.block_type.nbytes)
-            tma_load(k_desc, b, row, hk, k_ring.ready_bar(it), k_s.index(slot), IS_VARLEN)
-            v_ring.wait_empty(it)
-            vslot = v_ring.slot(it)
-            mbarrier.expect(v_ring.ready_bar(it), v_desc.block_type.nbytes)
-            tma_load(v_desc, b, row, hk, v_ring.ready_bar(it), v_s.index(vslot), IS_VARLEN)
-        else:
-            bar = k_ring.ready_bar(it)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma_load(k_desc, b, row, hk, bar, k_s.index(slot), IS_VARLEN)
-            tma_load(v_desc, b, row, hk, bar, v_s.index(slot), IS_VARLEN)
+        # K and V in rings of their own (Note [persistent forward])
+        mbarrier.expect(k_ring.ready_bar(it), k_desc.block_type.nbytes)
+        tma_load(k_desc, b, row, hk, k_ring.ready_bar(it), k_s.index(slot), IS_VARLEN)
+        v_ring.wait_empty(it)
+        vslot = v_ring.slot(it)
+        mbarrier.expect(v_ring.ready_bar(it), v_desc.block_type.nbytes)
+        tma_load(v_desc, b, row, hk, v_ring.ready_bar(it), v_s.index(vslot), IS_VARLEN)
 
 
 @gluon.jit
@@ -88,12 +82,28 @@ def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, 
     return valid, b, h, m_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, full_lo, full_hi, n_blocks
 
 
+@gluon.jit
+def _dense_item(w, heads, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
+    """Work item w of a dense batch: (sequence, head, query tile), the tiles fastest and each (sequence, head)'s
+    last tile first, the order _varlen_item's list gives a varlen batch. Returns (b, h, m_start, lo, full_lo,
+    full_hi, n_blocks)."""
+    n_tiles = (seqlen_q + 2 * BLOCK_M - 1) // (2 * BLOCK_M)
+    bh = w // n_tiles
+    m_start = (n_tiles - 1 - (w - bh * n_tiles)) * 2 * BLOCK_M
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
+                                              MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
+    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    return bh // heads, bh % heads, m_start, lo, full_lo, full_hi, n_blocks
+
+
 @aggregate
 class _Item:
     """One work item as the persistent loader describes it to the consumers, in publish_item's field order
     (hopper_common): `valid` (false for the first item past the list, which ends the program), the query head, the
     item's first query row in its sequence, where the sequence's queries start in the packed tensor, both lengths,
-    and the item's key blocks (lo, the mask-free [full_lo, full_hi), how many)."""
+    the item's key blocks (lo, the mask-free [full_lo, full_hi), how many), and a dense batch's sequence (a varlen
+    item's q_row0 places it)."""
     valid: gl.tensor
     h: gl.tensor
     m_start: gl.tensor
@@ -104,50 +114,53 @@ class _Item:
     full_lo: gl.tensor
     full_hi: gl.tensor
     n_blocks: gl.tensor
+    b: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks):
+    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, b):
         item_fields(self, locals())
 
 
 @gluon.jit
 def _read_item(slot):
-    """The item _varlen_loader published in slot."""
-    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, _ = read_item(slot)
-    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks)
+    """The item _loader published in slot."""
+    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, b = read_item(slot)
+    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, b)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, b, h, hk, m_start, lo, n_blocks,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """A dense program's loader: its one item."""
-    _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, ring, ring, b, h, hk, m_start, lo, n_blocks, 0, 0, 0, 0,
-               BLOCK_M, BLOCK_N, False)
-
-
-@gluon.jit
-def _varlen_loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
-                   CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                   MASK_CHUNK: gl.constexpr):
-    """A persistent varlen program's loader (Note [persistent varlen forward]): it takes the next item from the
-    work counter, describes it to the consumers and loads its Q into its set of Q buffers (hopper_common.BufferSets),
-    once both consumers have handed that set back; the K/V rings run on from item to item. The first item
-    past the list is published invalid, which ends the program."""
+def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
+            CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+            MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """A persistent program's loader (Note [persistent forward]): it takes the next item from the work counter,
+    describes it to the consumers and loads its Q into its set of Q buffers (hopper_common.BufferSets), once both
+    consumers have handed that set back; the K/V rings run on from item to item. The first item past the list (a
+    varlen batch's) or past n_items is published invalid, which ends the program. seqlen_q and seqlen_k: a dense
+    batch's lengths, a varlen batch's packed totals."""
     it0 = 0
     r = 0
     done = False
     while not done:
         w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
-        valid, b, h, m_start, q_row0, sq, k_row0, sk, lo, full_lo, full_hi, n_blocks = _varlen_item(
-            gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk,
-            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
-        valid = valid & (w < n_items)
+        if IS_VARLEN:
+            valid, b, h, m_start, q_row0, sq, k_row0, sk, lo, full_lo, full_hi, n_blocks = _varlen_item(
+                gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr,
+                chunk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+            valid = valid & (w < n_items)
+            b_field = 0
+        else:
+            b, h, m_start, lo, full_lo, full_hi, n_blocks = _dense_item(
+                gl.minimum(w, n_items - 1), heads, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M, BLOCK_N, MASK_LEFT,
+                MASK_RIGHT, MASK_CHUNK)
+            valid = w < n_items
+            q_row0, sq, k_row0, sk, b_field = 0, seqlen_q, 0, seqlen_k, b
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, 0)  # _Item
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks,
+                     b_field)  # _Item
         if valid:
             _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets.held, k_ring, v_ring, b, h, h // GROUP, m_start,
-                       lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, True)
+                       lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, IS_VARLEN)
             it0 += n_blocks
         else:
             sets.end(r)
@@ -188,7 +201,7 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_sc
 @gluon.jit
 def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr,
           chunk, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
     """Key block n0 at ring position it, after the item's first: S on the block's first WIDTH keys (all of them, or
     half under Note [half last block]) is issued with the previous block's P V under it, and its softmax runs
     while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
@@ -199,8 +212,7 @@ def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full
     p_layout: gl.constexpr = _p_layout(HEAD_DIM)
     slot = k_ring.slot(it)
     k_ring.wait_ready(it)
-    if IS_VARLEN:  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
-        v_ring.wait_ready(it - 1)
+    v_ring.wait_ready(it - 1)  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
     prev = v_ring.slot(it - 1)
     k_tile = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
     if WIDTH < BLOCK_N:
@@ -210,12 +222,11 @@ def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_s.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-    if IS_VARLEN:
-        k_ring.release(it)  # K_j is read
+    k_ring.release(it)  # K_j is read
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k, diag, wl, wr,
                                   chunk, qk_scale, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    v_ring.release(it - 1)  # V_{j-1} is read (and K_{j-1}, in a dense batch's joint ring)
+    v_ring.release(it - 1)  # V_{j-1} is read
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p, m_i, l_i, acc
 
@@ -227,11 +238,10 @@ def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: 
     sequence), with nothing left to hide it under."""
     dtype: gl.constexpr = v_s.dtype
     p_layout: gl.constexpr = _p_layout(HEAD_DIM)
-    if IS_VARLEN:  # a dense batch's consumer has waited for the fill of K and V together
-        v_ring.wait_ready(it)
+    v_ring.wait_ready(it)
     last = v_ring.slot(it)
     v_last = v_s.index(last).reshape([BLOCK_N, HEAD_DIM])
-    if IS_VARLEN:
+    if IS_VARLEN:  # Note [varlen descriptors]; a dense batch's descriptor fills rows past the sequence with zeros
         if keys_left < BLOCK_N:  # the sequence ends inside the last key block
             zero_rows_from(v_last, keys_left, BLOCK_N, HEAD_DIM, 4)
     if WIDTH < BLOCK_N:
@@ -249,8 +259,8 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
                   IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
-    A varlen (persistent) consumer leaves its O store in flight, and hands the previous item's Q buffer back
-    (free_prev) once its first S of this item is issued.
+    It leaves its O store in flight, and hands the previous item's Q buffer back (free_prev) once its first S of
+    this item is issued.
 
     Note [half last block]: where this consumer's rows see none of the upper half of the item's last key block
     (under a causal mask the lower consumer's diagonal block; where the keys end in a block's first half), it
@@ -276,11 +286,9 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
         k_ring.wait_ready(it0)
         s = warpgroup_mma(q_tile, k_s.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-        if IS_VARLEN:
-            _free_previous(free_prev, sets, sets.other(qi))
+        _free_previous(free_prev, sets, sets.other(qi))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if IS_VARLEN:
-            k_ring.release(it0)  # K_0 is read (its own ring)
+        k_ring.release(it0)  # K_0 is read
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
                                       wl, wr, chunk, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         n_last = lo + (n_blocks - 1) * BLOCK_N
@@ -291,7 +299,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
         for j in range(1, n_blocks - half.to(gl.int32)):
             p, m_i, l_i, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it0 + j, lo + j * BLOCK_N, p, acc, m_i, l_i,
                                      rows, full_lo, full_hi, seqlen_k, diag, wl, wr, chunk, qk_scale, BLOCK_N, HEAD_DIM,
-                                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
+                                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         it_last = it0 + n_blocks - 1
         if half:
             p_h, m_h, l_h, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it_last, n_last, p, acc,
@@ -299,7 +307,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
                                        gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(rows, gl.SliceLayout(1, h_layout)), full_lo, full_hi,
                                        seqlen_k, diag, wl, wr, chunk, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
+                                       MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
             acc = _last_pv(p_h, acc, v_s, v_ring, it_last, seqlen_k - n_last, HALF, HEAD_DIM, BLOCK_N, IS_VARLEN)
             m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
             l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
@@ -308,9 +316,8 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
     else:
         # No key block, or no row of this tile in the sequence (the last tile's upper half): nothing to compute,
         # but the other consumer's loads still wait on this one's releases.
-        if IS_VARLEN:
-            _free_previous(free_prev, sets, sets.other(qi))
-        _pass_over(it0, it0 + n_blocks, k_ring, v_ring, IS_VARLEN)
+        _free_previous(free_prev, sets, sets.other(qi))
+        _pass_over(it0, it0 + n_blocks, k_ring, v_ring)
     if HAS_SINK:  # softmax.fold_sink, the accumulator rescaled in its own layout
         alpha, l_i, m_i = sink_state(l_i, m_i, gl.load(SINK + h) * LOG2E)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -318,7 +325,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-    if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
+    if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the list)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
         gl.store(LSE + lse_off + rows, lse, mask=rows < seqlen_q)
         q_tile.store(out.to(dtype))  # this consumer's Q is no longer read: its buffer stages O for the store
@@ -327,21 +334,17 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
             store_rows(O_PTR, q_tile, q_row0 + m0, seqlen_q - m0, h, stride_om, stride_oh, BLOCK_M, HEAD_DIM)
         else:
             tma_store(o_desc, b, q_row0 + m0, h, q_s.index(qi), IS_VARLEN)
-            if not IS_VARLEN:
-                tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _pass_over(it_from, it_to, k_ring, v_ring, IS_VARLEN: gl.constexpr):
-    """hopper_common.pass_over over the K ring and, for a varlen batch, V's own ring, block by block: the loader
-    fills K_j then V_j, so passing over every K first would wait for a K fill queued behind a V slot that only the
-    V releases free."""
+def _pass_over(it_from, it_to, k_ring, v_ring):
+    """hopper_common.pass_over over the K ring and V's, block by block: the loader fills K_j then V_j, so passing
+    over every K first would wait for a K fill queued behind a V slot that only the V releases free."""
     for it in range(it_from, it_to):
         k_ring.wait_ready(it)
         k_ring.release(it)
-        if IS_VARLEN:
-            v_ring.wait_ready(it)
-            v_ring.release(it)
+        v_ring.wait_ready(it)
+        v_ring.release(it)
 
 
 @gluon.jit
@@ -353,24 +356,12 @@ def _free_previous(free_prev, sets, prev):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi,
-              n_blocks, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              MASK_CHUNK: gl.constexpr, HAS_SINK: gl.constexpr):
-    """A dense program's consumer c: its one item."""
-    mbarrier.wait(held.index(c), 0)
-    _consume_item(c, o_desc, None, LSE, SINK, q_s, k_s, v_s, None, ring, ring, b, h, m_start, lo, full_lo, full_hi,
-                  n_blocks, lse_off, 0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, 0, 0, 0, c, False, HEAD_DIM,
-                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, False, HAS_SINK)
-
-
-@gluon.jit
-def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
-                     qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
-                     HAS_SINK: gl.constexpr):
-    """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
-    in its set of Q buffers: hopper_common.BufferSets), until one is invalid."""
+def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
+              qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
+              IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+    """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th in its
+    set of Q buffers: hopper_common.BufferSets), until one is invalid."""
     it0 = 0
     r = 0
     done = False
@@ -378,12 +369,17 @@ def _varlen_consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, s
         sets.wait_held(r, c)
         item = _read_item(sets.info_slot(r))
         if item.valid:
-            lse_off = item.h.to(gl.int64) * stride_lh + item.q_row0
-            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, 0, item.h, item.m_start,
+            if IS_VARLEN:
+                b = 0
+                lse_off = item.h.to(gl.int64) * stride_lh + item.q_row0
+            else:
+                b = item.b
+                lse_off = b.to(gl.int64) * stride_lb + item.h.to(gl.int64) * stride_lh
+            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, b, item.h, item.m_start,
                           item.lo, item.full_lo, item.full_hi, item.n_blocks, lse_off, item.q_row0, item.seqlen_q,
                           item.seqlen_k, wl, wr, chunk, qk_scale, stride_om, stride_oh,
                           it0, sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                          MASK_CHUNK, True, HAS_SINK)
+                          MASK_CHUNK, IS_VARLEN, HAS_SINK)
             it0 += item.n_blocks
         else:
             done = True
@@ -400,21 +396,21 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
                        HAS_SINK: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
-    2 x BLOCK_M rows, H, B) and which leaves O_PTR, the strides, TILES, CU_SEQLENS, COUNTER, n_items and heads
-    unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid is
-    one program per SM (at most n_items), persistent over the n_items = heads x tile-list entries work items
-    (Note [persistent varlen forward]): TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
-    sequences first, and within one the last tile first), COUNTER the items handed out so far (0 at launch: the
-    list's writer zeroes it). O_PTR is O's tensor, for the last tile of a varlen sequence; SINK the learnable sinks
-    (HAS_SINK; else unused).
+    """The grid is one program per SM (at most n_items), persistent over n_items work items of 2 x BLOCK_M query
+    rows of one (sequence, head) (Note [persistent forward]), and COUNTER counts the items handed out so far (0 at
+    launch: its writer zeroes it). Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose
+    items are B x H x the query tiles (_dense_item) and which leaves O_PTR, stride_om/oh, TILES and CU_SEQLENS
+    unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose
+    n_items are heads x tile-list entries: TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
+    sequences first, and within one the last tile first), and O_PTR is O's tensor, for the last tile of a varlen
+    sequence (stride_lb is then 0). SINK: the learnable sinks (HAS_SINK; else unused).
 
-    Note [persistent varlen forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
+    Note [persistent forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
     inside the kernel (globaltimer and clock64 at each phase, H200): its start 0.4 µs (0.9 with the
     varlen lookups), the Q load 1.2 µs, the first S and its softmax with no P V to hide them 1.3 µs, the last P V,
     the O store 1.1 µs, and 0.6-0.7 µs between one program's end and the next one's start on the SM: some 7,000
     cycles, 2.5 key blocks. Dense 4k programs see 32 key blocks (16 causal), the 16-sequence mix's 14 (8 causal).
-    So a varlen program works through items, and each item's fixed costs land under another's key blocks:
+    So a program works through items, and each item's fixed costs land under another's key blocks:
     - the loader takes the next item from COUNTER (an atomic add), in the list's order, when it has issued the
       current item's last K/V load: the greedy order the hardware gives a grid's programs, which balances causal
       items of unequal cost (a static round-robin over programs made the causal mix 10% slower);
@@ -430,8 +426,9 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
       is issued, it waits for the store to have read the buffer and hands the buffer back (`q_free`), for the
       item after next.
     The first item past the list (or past n_items) is published invalid and ends the program. Measured against
-    the one-program-per-tile grid (same results bit for bit): the mix's forward 525-545 -> 487-498 µs, causal
-    320-324 -> 295-298 (-8%); 16 sequences of 1k -10% (causal -9%); 4 of 4k -6% (causal -2%).
+    the one-program-per-tile grid on varlen batches (same results bit for bit): the mix's forward 525-545 ->
+    487-498 µs, causal 320-324 -> 295-298 (-8%); 16 sequences of 1k -10% (causal -9%); 4 of 4k -6% (causal -2%).
+    Dense batches take the same path, their items numbered in the same order (_dense_item), with no list.
 
     Note [varlen grid order]: in the varlen grids of the Triton kernels the heads are the fastest axis
     (seqlen.tile_coords), so the programs in flight are every head of a few tiles. A row of a packed (total, H, D)
@@ -453,49 +450,28 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
     16-sequence mix 4% faster forward (9% causal) and 3% forward+backward (7% causal), with bitwise the same results
     (docs/design/descriptors.md)."""
     gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers must need the same key blocks")
-    if not IS_VARLEN:
-        b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off = dense_query_tile(
-            seqlen_q, seqlen_k, wl, wr, chunk, stride_lb, stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-            MASK_CHUNK)
-    if IS_VARLEN:
-        KS: gl.constexpr = STAGES - 1  # the second Q set takes one K slot's shared memory
-        VS: gl.constexpr = STAGES
-        k_s = tile_buffers(K, KS, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        v_s = tile_buffers(V, VS, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        v_ready = barrier_array(VS, 1)  # V's ring: ring_barriers' ready and empty are K's
-        v_empty = barrier_array(VS, 2)
-        # Two sets of Q buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
-        q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        q_free = barrier_array(4, 1)
-        info = info_slots()
-        held, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
-        sets = BufferSets(held, q_free, info)
-        k_ring = Ring(ready, empty, KS)
-        v_ring = Ring(v_ready, v_empty, VS)
-        gl.warp_specialize([
-            (_varlen_consumer, (0, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
-                                qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
-            (_varlen_consumer, (1, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
-                                qk_scale, stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
-            (_varlen_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES,
-                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M,
-                              BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    else:
-        k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        held, ready, empty = ring_barriers(STAGES, 2)
-        ring = Ring(ready, empty, STAGES)  # K_j and V_j in one slot
-        gl.warp_specialize([
-            (_consumer, (0, O, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
-                         lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                         MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
-            (_consumer, (1, O, LSE, SINK, q_s, k_s, v_s, held, ring, b, h, m_start, lo, full_lo, full_hi, n_blocks,
-                         lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                         MASK_RIGHT, MASK_CHUNK, HAS_SINK)),
-            (_loader, (Q, K, V, q_s, k_s, v_s, held, ring, b, h, h // GROUP, m_start, lo, n_blocks, BLOCK_M,
-                       BLOCK_N)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    KS: gl.constexpr = STAGES - 1  # the second Q set takes one K slot's shared memory
+    VS: gl.constexpr = STAGES
+    k_s = tile_buffers(K, KS, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(V, VS, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_ready = barrier_array(VS, 1)  # V's ring: ring_barriers' ready and empty are K's
+    v_empty = barrier_array(VS, 2)
+    # Two sets of Q buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
+    q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    q_free = barrier_array(4, 1)
+    info = info_slots()
+    held, ready, empty = ring_barriers(KS, 4)  # its fence covers the barriers above too
+    sets = BufferSets(held, q_free, info)
+    k_ring = Ring(ready, empty, KS)
+    v_ring = Ring(v_ready, v_empty, VS)
+    gl.warp_specialize([
+        (_consumer, (0, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk, qk_scale, stride_lb,
+                     stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN, HAS_SINK)),
+        (_consumer, (1, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk, qk_scale, stride_lb,
+                     stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN, HAS_SINK)),
+        (_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                   seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT,
+                   MASK_CHUNK, IS_VARLEN)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -15,7 +15,7 @@ The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a 
 box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
 (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
 box, where the persistent programs take (sequence, head, tile) items from a work counter over a list written once per
-call (schedule.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent varlen forward],
+call (schedule.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent forward],
 [persistent varlen dQ] and [persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note
 [varlen descriptors] in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for
 the partial last tile of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
@@ -170,25 +170,27 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
     varlen = cu_seqlens_q is not None
-    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
-                   TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
-                   COUNTER=plan.counters[0] if varlen else None, qk_scale=qk_scale)
+    # Persistent (Note [persistent forward] in kernels/hopper_fwd.py): one program per SM over the work items,
+    # which a varlen batch's plan lists (its writer zeroed the work counter) and a dense batch's numbers.
     if not varlen:
         batch, seqlen_q = q.shape[:2]
-        grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+        n_items = batch * nheads * -(-seqlen_q // (2 * cfg.block_m))
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0, n_items=0,
-                      heads=0)
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0,
+                      n_items=n_items, heads=nheads)
     else:
-        # Persistent (Note [persistent varlen forward] in kernels/hopper_fwd.py): one program per SM over the
-        # (tile list entry, head) items; the plan's writer zeroed the work counter.
         assert plan.has(2 * cfg.block_m, 0)
         n_items = plan.last_first.shape[0] * nheads
-        grid = (min(n_items, sm_count(q.device)), 1, 1)
+        counter = plan.counters[0]
         static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
                       stride_oh=out.stride(1), n_items=n_items, heads=nheads)
+    grid = (min(n_items, sm_count(q.device)), 1, 1)
+    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
+                   O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
+                   TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
+                   COUNTER=counter, qk_scale=qk_scale)
     launch_named(_hopper_fwd_kernel, grid, dynamic, static,
                  dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
                       HAS_SINK=learnable_sink is not None),
