@@ -163,7 +163,7 @@ HOPPER_VARLEN = {"mixed": ([700, 0, 129, 1, 2048, 65], [700, 0, 129, 1, 2048, 65
 def test_hopper_varlen(device, monkeypatch, lengths, mask, programs):
     """Varlen batches through the Gluon kernels (descriptors over the packed tensors, Note [varlen descriptors];
     the tile list of ops/schedule.varlen_plan) against the per-sequence fp64 oracle, on NaN-guarded inputs. The
-    persistent kernels (Notes [persistent forward], [persistent varlen dQ] and [persistent varlen dK/dV]) also
+    persistent kernels (Notes [persistent forward], [persistent dQ] and [persistent dK/dV]) also
     run on 3 programs, each of which then works through items of every length, its ring and its two buffer sets
     running on from one item to the next."""
     _need_hopper(device)
@@ -175,25 +175,30 @@ def test_hopper_varlen(device, monkeypatch, lengths, mask, programs):
     assert flashtile.last_kernel_paths() == GLUON
 
 
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
 @pytest.mark.parametrize("mask", ["causal", "window"])
-def test_hopper_varlen_deterministic(device, mask):
-    """The persistent varlen kernels (forward, dQ, dK/dV) take their items from atomic work counters, so which
-    program computes which item changes from run to run; each item is still computed whole by one program, so the
-    output and the gradients come out bitwise the same every time (flash-attn's deterministic=True contract holds
-    without the flag)."""
+def test_hopper_persistent_deterministic(device, mask, layout):
+    """The persistent kernels (forward, dQ, dK/dV) take their items from atomic work counters, dense and varlen
+    batches alike, so which program computes which item changes from run to run; each item is still computed whole
+    by one program, so the output and the gradients come out bitwise the same every time (flash-attn's
+    deterministic=True contract holds without the flag)."""
     _need_hopper(device)
     causal, window = MASKS[mask]
     lens = [700, 0, 129, 1, 2048, 65, 3000, 300]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(sum(lens), 8, 128, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    k, v = (torch.randn(sum(lens), 2, 128, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    shape = (sum(lens),) if layout == "varlen" else (3, 1100)
+    q = torch.randn(*shape, 8, 128, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (torch.randn(*shape, 2, 128, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
             for _ in range(2))
     dout = torch.randn_like(q)
     first = None
     for _ in range(10):
-        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
-                                               window_size=window)
+        if layout == "varlen":
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                                   window_size=window)
+        else:
+            out = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         assert flashtile.last_kernel_paths() == GLUON
         if first is None:

@@ -176,13 +176,12 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     else:
         rows = 2 * (constexprs["BLOCK_N"] if which == "bwd_dkdv" else constexprs["BLOCK_M"])
         side = k.shape[1] if which == "bwd_dkdv" else q.shape[1]
-        if which == "fwd":
-            # Persistent too, over batch x heads x query tiles (_dense_item), with a work counter of its own.
-            n_items = 2 * 4 * -(-side // rows)
-            assert (ints["n_items"], ints["heads"]) == (n_items, 4) and grid == (min(n_items, 7), 1, 1)
-            assert named["COUNTER"].dtype == torch.int32 and named["COUNTER"].tolist() == [0]
-        else:
-            assert grid == (-(-side // rows), 2 if which == "bwd_dkdv" else 4, 2)
+        # Persistent too, over batch x heads (KV heads for dK/dV) x tiles (hopper_common.dense_work_item), with a
+        # zeroed work counter of its own.
+        heads = 2 if which == "bwd_dkdv" else 4
+        n_items = 2 * heads * -(-side // rows)
+        assert (ints["n_items"], ints["heads"]) == (n_items, heads) and grid == (min(n_items, 7), 1, 1)
+        assert named["COUNTER"].dtype == torch.int32 and named["COUNTER"].tolist() == [0]
 
 
 def test_fallback_is_logged_once_per_reason(fake_sm90, monkeypatch, caplog):

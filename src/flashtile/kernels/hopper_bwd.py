@@ -3,10 +3,10 @@ kernels/hopper_fwd.py applied to the backward's key-side pass. dQ and delta = ro
 kernel launched before this one on the same stream (the Gluon one, hopper_dq.py).
 
 One program computes dK and dV for 2 x BLOCK_N keys of one (sequence, KV head), over every query head of its GQA
-group (so nothing is reduced across programs, and the result is bitwise reproducible); a varlen program is
-persistent and computes one such item after another (Note [persistent varlen dK/dV]):
+group (so nothing is reduced across programs, and the result is bitwise reproducible); a program is persistent
+and computes one such item after another, dense and varlen batches alike (Note [persistent dK/dV]):
 
-  loader partition (1 warp)            TMA: both K and V tiles once, then Q_i and dO_i, head by head, into a ring
+  loader partition (1 warp)            TMA: each item's K and V tiles, then Q_i and dO_i, head by head, into a ring
                                        of STAGES slots; it waits on a slot's `empty` barrier before refilling it
                                        (and, varlen, zeroes the rows past the sequence in its last tile: below)
   two consumer partitions (4 warps)    BLOCK_N keys each, the same Q/dO slots. Per query tile i, transposed
@@ -57,9 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, item_fields, pass_over, publish_item,
-                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
-                            zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
+                            publish_item, read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store,
+                            work_item, zero_rows_from)
 from .masking import LOG2E, chunk_start, q_block_range
 
 
@@ -119,21 +119,13 @@ def _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M: gl.constex
     return lo, n_front, n_mid, n_tiles
 
 
-@gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
-            n_tiles, seqlen_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            GROUP: gl.constexpr):
-    """A dense program's loader: its one item."""
-    _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
-               n_tiles, 0, 0, seqlen_q, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, False)
-
-
 @aggregate
 class _Item:
     """One work item as the persistent loader describes it to the consumers, in publish_item's field order
     (hopper_common): `valid` (false for the first item past the list, which ends the program), the KV head, the
     item's first key row in its sequence, where the sequence's queries and keys start in the packed tensors, both
-    lengths, and its query tiles (_query_tiles: the first one's row, the front and middle counts, how many)."""
+    lengths, its query tiles (_query_tiles: the first one's row, the front and middle counts, how many), and a
+    dense batch's sequence (a varlen item's rows place it)."""
     valid: gl.tensor
     hk: gl.tensor
     n_start: gl.tensor
@@ -145,48 +137,57 @@ class _Item:
     n_front: gl.tensor
     n_mid: gl.tensor
     n_tiles: gl.tensor
+    b: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles):
+    def __init__(self, valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles, b):
         item_fields(self, locals())
 
 
 @gluon.jit
 def _read_item(slot):
-    """The item _varlen_loader published in slot."""
-    valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles = read_item(slot)
-    return _Item(valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles)
+    """The item _loader published in slot."""
+    valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles, b = read_item(slot)
+    return _Item(valid, hk, n_start, q_row0, seqlen_q, k_row0, seqlen_k, lo, n_front, n_mid, n_tiles, b)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
-                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                   MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """A persistent varlen program's loader (Note [persistent varlen dK/dV]): it takes the next item from the work
-    counter, describes it to the consumers and loads its K and V into its set of buffers (hopper_common.BufferSets),
-    once both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the
-    list is published invalid, which ends the program."""
+def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q,
+            CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+            MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """A persistent program's loader (Note [persistent dK/dV]): it takes the next item from the work counter,
+    describes it to the consumers and loads its K and V into its set of buffers (hopper_common.BufferSets), once
+    both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the list
+    (a varlen batch's) or past n_items is published invalid, which ends the program. seqlen_q and seqlen_k: a dense
+    batch's lengths, a varlen batch's packed totals."""
     it0 = 0
     r = 0
     n_landed = 0
     done = False
     while not done:
         w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
-        valid, b, hk, pid_n, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
-                                                                CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k,
-                                                                2 * BLOCK_N, False, True)
-        valid = valid & (w < n_items)
+        if IS_VARLEN:
+            valid, b, hk, pid_n, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
+                                                                    CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                                    2 * BLOCK_N, False, True)
+            valid = valid & (w < n_items)
+            b_field = 0
+        else:
+            # Under a causal mask the first key tiles see the most queries: first first.
+            b, hk, pid_n = dense_work_item(gl.minimum(w, n_items - 1), heads, seqlen_k, 2 * BLOCK_N, False)
+            valid = w < n_items
+            q_row0, sq, k_row0, sk, b_field = 0, seqlen_q, 0, seqlen_k, b
         n_start = pid_n * 2 * BLOCK_N
         lo, n_front, n_mid, n_tiles = _query_tiles(n_start, sq, sk, wl, wr, chunk, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                    MASK_RIGHT, MASK_CHUNK)
         sets.wait_free(r)
         publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid,
-                     n_tiles)  # _Item
+                     n_tiles, b_field)  # _Item
         if valid:
             n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets.held, ring, landed, b,
                                   hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, sets.buffer(r, 0), n_landed,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, True)
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, IS_VARLEN)
             it0 += GROUP * n_tiles
         else:
             sets.end(r)
@@ -246,7 +247,7 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
-    ring position it0. A varlen (persistent) consumer leaves its dK/dV stores in flight."""
+    ring position it0. It leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -310,29 +311,14 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
         else:
             tma_store(dk_desc, b, k_row0 + key0, hk, k_s.index(kv), IS_VARLEN)
             tma_store(dv_desc, b, k_row0 + key0, hk, v_s.index(kv), IS_VARLEN)
-            if not IS_VARLEN:
-                tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dv_desc, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo,
-              n_front, n_mid, n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
+def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets, ring, wl, wr,
+              chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """A dense program's consumer c: its one item."""
-    mbarrier.wait(held.index(c), 0)
-    _consume_item(c, c, dk_desc, dv_desc, None, None, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b, hk, n_start, lo,
-                  n_front, n_mid, n_tiles, lse_off, stride_lh, 0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale,
-                  softmax_scale, 0, 0, 0, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                  False)
-
-
-@gluon.jit
-def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
-                     ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                     stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
     landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
     hands that set back."""
@@ -346,12 +332,17 @@ def _varlen_consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DEL
             tma.store_wait(pendings=0)
             sets.release(sets.previous(r, c))
         if item.valid:
-            lse_off = (item.hk * GROUP).to(gl.int64) * stride_lh + item.q_row0
+            if IS_VARLEN:
+                b = 0
+                lse_off = (item.hk * GROUP).to(gl.int64) * stride_lh + item.q_row0
+            else:
+                b = item.b
+                lse_off = b.to(gl.int64) * stride_lb + (item.hk * GROUP).to(gl.int64) * stride_lh
             _consume_item(c, sets.buffer(r, c), dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
-                          0, item.hk, item.n_start, item.lo, item.n_front, item.n_mid, item.n_tiles, lse_off,
+                          b, item.hk, item.n_start, item.lo, item.n_front, item.n_mid, item.n_tiles, lse_off,
                           stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
                           stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP,
-                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
+                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             it0 += GROUP * item.n_tiles
         else:
             done = True
@@ -369,15 +360,15 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """The six tensors are host descriptors. Dense: over (B, S, H, D), the grid is (key tiles of 2 x BLOCK_N
-    rows, Hk, B), and DK_PTR, DV_PTR, TILES, CU_SEQLENS, COUNTER, the dK/dV strides, n_items and heads are unused.
-    Varlen: over the packed (total, H, D) tensors, whose seqlen_q/k are the totals; the grid is one program per SM
-    (at most n_items), persistent over the n_items = heads x tile-list entries work items (Note [persistent varlen
-    dK/dV]): TILES holds the (sequence, key tile) list (ops/schedule.varlen_plan: ordered by each sequence's queries,
-    ops/bwd.py, and within one the first key tile first), COUNTER the items handed out so far (0 at launch). DK_PTR
-    and DV_PTR are dK's and dV's tensors, for a sequence's last key tile.
+    """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent
+    dK/dV]; COUNTER the items handed out so far, 0 at launch). The six tensors are host descriptors. Dense: over
+    (B, S, H, D), the items are B x Hk x the key tiles (hopper_common.dense_work_item, the first key tile first),
+    and DK_PTR, DV_PTR, TILES, CU_SEQLENS and the dK/dV strides are unused. Varlen: over the packed (total, H, D)
+    tensors, whose seqlen_q/k are the totals; the items are heads x tile-list entries: TILES holds the (sequence,
+    key tile) list (ops/schedule.varlen_plan: ordered by each sequence's queries, ops/bwd.py, and within one the
+    first key tile first). DK_PTR and DV_PTR are dK's and dV's tensors, for a sequence's last key tile.
 
-    Note [persistent varlen dK/dV]: the forward's persistence (Note [persistent forward] in hopper_fwd.py)
+    Note [persistent dK/dV]: the forward's persistence (Note [persistent forward] in hopper_fwd.py)
     applied to this kernel. One program per SM; the loader takes (sequence, KV head, key tile) items from COUNTER
     in the list's order (hopper_common.work_item: tiles fastest within a sequence), and the Q/dO ring runs on from
     one item to the next. K and V have two sets of buffers, item r in set r % 2, so the next item's K and V load
@@ -388,52 +379,27 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     a program of the one-program-per-tile grid paid ~5.5 µs besides its query tiles (~1.8 µs each), and the
     16-sequence mix runs 16 programs per SM of 16 tiles (causal) where dense 4k runs 33. Persistent, the mix's
     causal dK/dV went from 553 to 497 µs (-10%), with the same results bit for bit; without a mask (31 tiles a
-    program) 927 -> 937."""
+    program) 927 -> 937. Dense batches: not yet timed against the one-program-per-tile grid."""
     gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
     q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     landed = barrier_array(1, 1).index(0)
-    if IS_VARLEN:
-        # Two sets of K and V buffers (2 * set + consumer); kv_free[i]: buffer i holds nothing its item still needs.
-        k_s = tile_buffers(K, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        v_s = tile_buffers(V, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        kv_free = barrier_array(4, 1)
-        info = info_slots()
-        held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
-        sets = BufferSets(held, kv_free, info)
-        ring = Ring(ready, empty, STAGES)
-        gl.warp_specialize([
-            (_varlen_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
-                                ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
-                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT,
-                                MASK_CHUNK)),
-            (_varlen_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets,
-                                ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lh, stride_dkm, stride_dkh,
-                                stride_dvm, stride_dvh, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT,
-                                MASK_CHUNK)),
-            (_varlen_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES,
-                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    else:
-        pid_n = gl.program_id(0)  # under a causal mask the first key tiles see the most queries, and launch first
-        hk = gl.program_id(1)
-        b = gl.program_id(2)
-        n_start = pid_n * 2 * BLOCK_N
-        lo, n_front, n_mid, n_tiles = _query_tiles(n_start, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M, BLOCK_N,
-                                                   MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
-        lse_off = b.to(gl.int64) * stride_lb + (hk * GROUP).to(gl.int64) * stride_lh
-        k_s = tile_buffers(K, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        v_s = tile_buffers(V, 2, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        held, ready, empty = ring_barriers(STAGES, 2)
-        ring = Ring(ready, empty, STAGES)
-        gl.warp_specialize([
-            (_consumer, (0, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
-                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-            (_consumer, (1, DK, DV, LSE, DELTA, k_s, v_s, q_s, do_s, held, ring, b, hk, n_start, lo, n_front, n_mid,
-                         n_tiles, lse_off, stride_lh, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-            (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo, n_tiles, seqlen_q,
-                       BLOCK_M, BLOCK_N, HEAD_DIM, GROUP)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    # Two sets of K and V buffers (2 * set + consumer); kv_free[i]: buffer i holds nothing its item still needs.
+    k_s = tile_buffers(K, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    v_s = tile_buffers(V, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    kv_free = barrier_array(4, 1)
+    info = info_slots()
+    held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+    sets = BufferSets(held, kv_free, info)
+    ring = Ring(ready, empty, STAGES)
+    gl.warp_specialize([
+        (_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets, ring, wl, wr, chunk, qk_scale,
+                     softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM,
+                     BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+        (_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets, ring, wl, wr, chunk, qk_scale,
+                     softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM,
+                     BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+        (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                   seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT,
+                   MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

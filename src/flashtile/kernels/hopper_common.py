@@ -238,24 +238,6 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def dense_query_tile(seqlen_q, seqlen_k, wl, wr, chunk, stride_lb, stride_lh, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                     MASK_CHUNK: gl.constexpr):
-    """A dense program's 2 x BLOCK_M query rows (grid: query tiles, heads, sequences), the last tiles first (under
-    a causal mask they see the most keys), and their key blocks: (b, h, m_start, lo, full_lo, full_hi, n_blocks,
-    lse_off), kv_block_range's bounds and the offset of the (sequence, head)'s LSE row."""
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    m_start = pid_m * 2 * BLOCK_M
-    lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
-                                              MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
-    n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-    return b, h, m_start, lo, full_lo, full_hi, n_blocks, lse_off
-
-
-@gluon.jit
 def varlen_program(TILES, index, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k):
     """The (sequence, tile) at position `index` of the written-out tile list (ops/schedule.varlen_plan), whether the
     list has one there, and its sequence's query and key rows: (b, tile, valid, q_row0, seqlen_q, k_row0,
@@ -306,8 +288,21 @@ def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROW
 
 
 @gluon.jit
-def publish_item(slot, valid, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10):
-    """A persistent loader's description of a work item, for its consumers (read_item): valid and ten int32 fields,
+def dense_work_item(w, heads, length, ROWS: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """Work item w of a dense batch in a persistent kernel: (b, h, tile) for tiles of ROWS rows over `length`, the
+    tiles fastest within a (sequence, head), the last first if LAST_FIRST: the order work_item gives a varlen
+    batch's items, numbered instead of listed. h is a query head, or a KV head when `heads` counts those."""
+    n_tiles = (length + ROWS - 1) // ROWS
+    bh = w // n_tiles
+    tile = w - bh * n_tiles
+    if LAST_FIRST:
+        tile = n_tiles - 1 - tile
+    return bh // heads, bh % heads, tile
+
+
+@gluon.jit
+def publish_item(slot, valid, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11):
+    """A persistent loader's description of a work item, for its consumers (read_item): valid and 11 int32 fields,
     into a 16-wide int32 row of shared memory; each kernel names the fields in an `_Item` aggregate. The thread
     barrier orders the warp's shared writes before its next arrival on a barrier the consumers wait on (the item's
     first TMA load's `expect`) before reading."""
@@ -324,6 +319,7 @@ def publish_item(slot, valid, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10):
     v = gl.where(i == 8, f8, v)
     v = gl.where(i == 9, f9, v)
     v = gl.where(i == 10, f10, v)
+    v = gl.where(i == 11, f11, v)
     slot.store(v)
     gl.thread_barrier()
 
@@ -343,12 +339,13 @@ def _field(v, i, k: gl.constexpr):
 
 @gluon.jit
 def read_item(slot):
-    """publish_item's fields, read by a 4-warp consumer: (valid, f1, ..., f10)."""
+    """publish_item's fields, read by a 4-warp consumer: (valid, f1, ..., f11)."""
     layout: gl.constexpr = gl.BlockedLayout([16], [32], [4], [0])
     v = slot.load(layout)
     i = gl.arange(0, 16, layout=layout)
     return (_field(v, i, 0) != 0, _field(v, i, 1), _field(v, i, 2), _field(v, i, 3), _field(v, i, 4),
-            _field(v, i, 5), _field(v, i, 6), _field(v, i, 7), _field(v, i, 8), _field(v, i, 9), _field(v, i, 10))
+            _field(v, i, 5), _field(v, i, 6), _field(v, i, 7), _field(v, i, 8), _field(v, i, 9), _field(v, i, 10),
+            _field(v, i, 11))
 
 
 @gluon.jit

@@ -2,11 +2,12 @@
 structure of kernels/hopper_fwd.py. It also writes delta = rowsum(dO * O), which the dK/dV kernel (hopper_bwd.py),
 launched after it on the same stream, reads.
 
-One program computes dQ for 2 x BLOCK_M query rows of one (sequence, head); a varlen program is persistent and
-computes one such item after another (Note [persistent varlen dQ]):
+A program is persistent: it computes dQ for work items of 2 x BLOCK_M query rows of one (sequence, head), one after
+another, dense and varlen batches alike (Note [persistent dQ]):
 
-  loader partition (1 warp)            TMA: both consumers' Q and dO tiles once, then K_j and V_j into a ring of
-                                       STAGES slots; it waits on a slot's `empty` barrier before refilling it
+  loader partition (1 warp)            TMA: each item's Q and dO tiles for both consumers, then K_j and V_j into
+                                       a ring of STAGES slots; it waits on a slot's `empty` barrier before
+                                       refilling it
                                        (and, varlen, zeroes the rows past the sequence in its last block: below)
   two consumer partitions (4 warps)    one BLOCK_M-row tile each: first delta from dO (shared memory) and O (pointer
                                        loads), then per key block of its own rows' range:
@@ -27,17 +28,18 @@ it would reach every row (0 x inf in dS K and in dO Vᵀ's dS), so the loader la
 on a barrier of its own, zeroes those rows of K and V (zero_rows_from) and only then releases the slot, as the
 dK/dV loader does for Q and dO.
 
-Note [persistent varlen dQ]: the forward's and dK/dV's persistence (Notes [persistent forward] in
-hopper_fwd.py and [persistent varlen dK/dV] in hopper_bwd.py) for the dQ pass. One program per SM takes (sequence,
-head, query tile) items from a work counter over the plan's last-first list of 2 x BLOCK_M-row tiles (the
-forward's list; counters[2] of ops/schedule.Plan); two sets of Q/dO buffers, item r in set r % 2, so that the next
+Note [persistent dQ]: the forward's and dK/dV's persistence (Notes [persistent forward] in
+hopper_fwd.py and [persistent dK/dV] in hopper_bwd.py) for the dQ pass. One program per SM takes (sequence,
+head, query tile) items from a work counter: a varlen batch's over the plan's last-first list of 2 x BLOCK_M-row
+tiles (the forward's list; counters[2] of ops/schedule.Plan), a dense batch's numbered in the same order
+(hopper_common.dense_work_item) with a counter zeroed per call; two sets of Q/dO buffers, item r in set r % 2, so that the next
 item's Q and dO load under the current one's key blocks; the loader describes each item in shared memory
 (hopper_common.publish_item); the K/V ring runs on from item to item. A consumer stages dQ in its Q buffer and
 leaves the store in flight; at its next item it waits for that store and hands the set back (`q_free`). What it
 hides: a Triton dQ program's fixed cost besides its key blocks, the held tiles' loads, delta and the store, ~5 µs
 (docs/design/scheduling.md), which the 16-sequence mix pays on twice as many programs per FLOP as dense 4k. On
 the H200 against the Triton varlen dQ it replaced, the mix's forward+backward is 4.5% faster, causal 0-8%
-(noisy), with the same gradient checksums.
+(noisy), with the same gradient checksums. Dense batches: not yet timed against the one-program-per-tile grid.
 
 Note [dQ update in its block]: with the update kept in flight into the next block (issued behind that block's S
 and dP, as the forward keeps P V in flight under the softmax), the accumulators in flight outgrew what ptxas had
@@ -56,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_query_tile, info_slots, item_fields, pass_over,
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
                             publish_item, read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store,
                             work_item, zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
@@ -99,20 +101,13 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring,
     return n_landed
 
 
-@gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, b, h, hk, m_start, lo,
-            n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A dense program's loader: its one item."""
-    _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, b, h, hk, m_start, lo,
-               n_blocks, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, False)
-
-
 @aggregate
 class _Item:
     """One work item as the persistent loader describes it to the consumers, in publish_item's field order
     (hopper_common): `valid` (false for the first item past the list, which ends the program), the query head, the
     item's first query row in its sequence, where the sequence's queries start in the packed tensor, both lengths,
-    the item's first key block and how many it has."""
+    the item's first key block and how many it has, and a dense batch's sequence (a varlen item's q_row0 places
+    it)."""
     valid: gl.tensor
     h: gl.tensor
     m_start: gl.tensor
@@ -121,48 +116,56 @@ class _Item:
     seqlen_k: gl.tensor
     lo: gl.tensor
     n_blocks: gl.tensor
+    b: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks):
+    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b):
         item_fields(self, locals())
 
 
 @gluon.jit
 def _read_item(slot):
-    """The item _varlen_loader published in slot."""
-    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, _, _, _ = read_item(slot)
-    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks)
+    """The item _loader published in slot."""
+    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b, _, _, _ = read_item(slot)
+    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b)
 
 
 @gluon.jit
-def _varlen_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
-                   CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                   MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """A persistent varlen program's loader (Note [persistent varlen dQ]): it takes the next item from the work
-    counter, describes it to the consumers and loads its Q and dO into its set of buffers (hopper_common.BufferSets),
-    once both consumers have handed that set back; the K/V ring runs on from item to item. The first item past the
-    list is published invalid, which ends the program."""
+def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q,
+            CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+            MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """A persistent program's loader (Note [persistent dQ]): it takes the next item from the work counter,
+    describes it to the consumers and loads its Q and dO into its set of buffers (hopper_common.BufferSets), once
+    both consumers have handed that set back; the K/V ring runs on from item to item. The first item past the list
+    (a varlen batch's) or past n_items is published invalid, which ends the program. seqlen_q and seqlen_k: a dense
+    batch's lengths, a varlen batch's packed totals."""
     it0 = 0
     r = 0
     n_landed = 0
     done = False
     while not done:
         w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
-        valid, b, h, tile, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
-                                                              CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k,
-                                                              2 * BLOCK_M, True, False)
-        valid = valid & (w < n_items)
+        if IS_VARLEN:
+            valid, b, h, tile, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
+                                                                  CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
+                                                                  2 * BLOCK_M, True, False)
+            valid = valid & (w < n_items)
+            b = 0  # the descriptors are over the packed tensors
+        else:
+            b, h, tile = dense_work_item(gl.minimum(w, n_items - 1), heads, seqlen_q, 2 * BLOCK_M, True)
+            valid = w < n_items
+            q_row0, sq, k_row0, sk = 0, seqlen_q, 0, seqlen_k
         m_start = tile * 2 * BLOCK_M
         lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
                                       chunk, MASK_CHUNK)
         n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, 0, 0, 0)  # _Item
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, b, 0, 0, 0)  # _Item
         if valid:
-            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets.held, ring, landed, 0,
+            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets.held, ring, landed, b,
                                   h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, sets.buffer(r, 0),
-                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, True)
+                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, IS_VARLEN)
             it0 += n_blocks
         else:
             sets.end(r)
@@ -191,7 +194,7 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
                   IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
-    ring position it0. A varlen (persistent) consumer leaves its dQ store in flight."""
+    ring position it0. It leaves its dQ store in flight."""
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -240,35 +243,21 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # Note [dQ update in its block]
         ring.release(it)  # this consumer has read K_j and V_j
     pass_over(it0 + j1, it0 + n_blocks, ring)
-    if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the varlen list)
+    if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the list)
         q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the store
         fence_async_shared()
         if IS_VARLEN and m0 + BLOCK_M > seqlen_q:  # a box would also write the next sequence's rows
             store_rows(DQ_PTR, q_t, q_row0 + m0, seqlen_q - m0, h, stride_dqm, stride_dqh, BLOCK_M, HEAD_DIM)
         else:
             tma_store(dq_desc, b, q_row0 + m0, h, q_s.index(qi), IS_VARLEN)
-            if not IS_VARLEN:
-                tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dq_desc, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo,
-              n_blocks, o_off, stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
+def _consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
+              qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm, stride_dqh,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """A dense program's consumer c: its one item."""
-    mbarrier.wait(held.index(c), 0)
-    _consume_item(c, dq_desc, None, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, h, m_start, lo, n_blocks, o_off,
-                  stride_om, lse_off, 0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, 0, 0, 0, c,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, False)
-
-
-@gluon.jit
-def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
-                     qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-                     MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """A persistent varlen program's consumer c: the loader's items, in its order, as it describes them (its r-th
+              MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
     landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
     that buffer back."""
@@ -284,11 +273,18 @@ def _varlen_consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_
             sets.release(sets.other(qi))
         if item.valid:
             h64 = item.h.to(gl.int64)
-            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, 0, item.h, item.m_start,
-                          item.lo, item.n_blocks, item.q_row0.to(gl.int64) * stride_om + h64 * stride_oh, stride_om,
-                          h64 * stride_lh + item.q_row0, item.q_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
-                          qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM, BLOCK_M, BLOCK_N,
-                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, True)
+            if IS_VARLEN:
+                b = 0
+                o_off = item.q_row0.to(gl.int64) * stride_om + h64 * stride_oh
+                lse_off = h64 * stride_lh + item.q_row0
+            else:
+                b = item.b
+                o_off = b.to(gl.int64) * stride_ob + h64 * stride_oh
+                lse_off = b.to(gl.int64) * stride_lb + h64 * stride_lh
+            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, item.h, item.m_start,
+                          item.lo, item.n_blocks, o_off, stride_om, lse_off, item.q_row0, item.seqlen_q,
+                          item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             it0 += item.n_blocks
         else:
             done = True
@@ -307,53 +303,32 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
                       STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Q, K, V, DO, DQ are host descriptors: over (B, S, H, D) for a dense batch, whose grid is (query tiles of
-    2 x BLOCK_M rows, H, B) and which leaves DQ_PTR, TILES, CU_SEQLENS, COUNTER, the dQ strides, n_items and heads
-    unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose grid
-    is one program per SM (at most n_items), persistent over the n_items = heads x tile-list entries work items
-    (Note [persistent varlen dQ]; TILES the plan's last-first list of 2 x BLOCK_M-row tiles, COUNTER its zeroed
-    work counter). OUT is the forward's output, a pointer (read once per row, for delta) with its (batch, row,
+    """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent dQ];
+    COUNTER the zeroed work counter). Q, K, V, DO, DQ are host descriptors: over (B, S, H, D) for a dense batch,
+    whose items are B x H x the query tiles and which leaves DQ_PTR, TILES, CU_SEQLENS and the dQ strides unused;
+    over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose n_items are
+    heads x tile-list entries (TILES the plan's last-first list of 2 x BLOCK_M-row tiles). OUT is the forward's output, a pointer (read once per row, for delta) with its (batch, row,
     head) strides; LSE and DELTA share theirs. DQ_PTR is dQ's tensor, for the last tile of a varlen sequence."""
     gl.static_assert(BLOCK_N == BLOCK_M, "the two consumers' ranges differ by whole key blocks")
     landed = barrier_array(1, 1).index(0)
     k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
     v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    if IS_VARLEN:
-        # Two sets of Q and dO buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
-        q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        do_s = tile_buffers(DO, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        q_free = barrier_array(4, 1)
-        info = info_slots()
-        held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
-        sets = BufferSets(held, q_free, info)
-        ring = Ring(ready, empty, STAGES)
-        gl.warp_specialize([
-            (_varlen_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
-                                qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-            (_varlen_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
-                                qk_scale, softmax_scale, stride_lh, stride_om, stride_oh, stride_dqm, stride_dqh,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-            (_varlen_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES,
-                              CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M,
-                              BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    else:
-        b, h, m_start, lo, _, _, n_blocks, lse_off = dense_query_tile(seqlen_q, seqlen_k, wl, wr, chunk, stride_lb,
-                                                                      stride_lh, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                                                      MASK_RIGHT, MASK_CHUNK)
-        o_off = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        q_s = tile_buffers(Q, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        do_s = tile_buffers(DO, 2, BLOCK_M, HEAD_DIM, IS_VARLEN)
-        held, ready, empty = ring_barriers(STAGES, 2)
-        ring = Ring(ready, empty, STAGES)
-        gl.warp_specialize([
-            (_consumer, (0, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo, n_blocks, o_off,
-                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-            (_consumer, (1, DQ, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, held, ring, b, h, m_start, lo, n_blocks, o_off,
-                         stride_om, lse_off, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)),
-            (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, held, ring, landed, b, h, h // GROUP, m_start, lo, n_blocks,
-                       BLOCK_M, BLOCK_N, HEAD_DIM)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    # Two sets of Q and dO buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
+    q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    do_s = tile_buffers(DO, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
+    q_free = barrier_array(4, 1)
+    info = info_slots()
+    held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
+    sets = BufferSets(held, q_free, info)
+    ring = Ring(ready, empty, STAGES)
+    gl.warp_specialize([
+        (_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk, qk_scale,
+                     softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm, stride_dqh,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+        (_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk, qk_scale,
+                     softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm, stride_dqh,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+        (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                   seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT,
+                   MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -39,8 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .hopper_common import (BufferSets, Ring, barrier_array, info_slots, item_fields, publish_item, read_item,
-                            ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item, zero_rows_from)
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, publish_item,
+                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
+                            zero_rows_from)
 from .masking import LN2, LOG2E, apply_mask, kv_block_range
 from .softmax import sink_state
 
@@ -85,16 +86,14 @@ def _varlen_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, 
 @gluon.jit
 def _dense_item(w, heads, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """Work item w of a dense batch: (sequence, head, query tile), the tiles fastest and each (sequence, head)'s
-    last tile first, the order _varlen_item's list gives a varlen batch. Returns (b, h, m_start, lo, full_lo,
-    full_hi, n_blocks)."""
-    n_tiles = (seqlen_q + 2 * BLOCK_M - 1) // (2 * BLOCK_M)
-    bh = w // n_tiles
-    m_start = (n_tiles - 1 - (w - bh * n_tiles)) * 2 * BLOCK_M
+    """Work item w of a dense batch (hopper_common.dense_work_item: the tiles fastest, each (sequence, head)'s last
+    tile first, as a varlen batch's list). Returns (b, h, m_start, lo, full_lo, full_hi, n_blocks)."""
+    b, h, tile = dense_work_item(w, heads, seqlen_q, 2 * BLOCK_M, True)
+    m_start = tile * 2 * BLOCK_M
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr, 2 * BLOCK_M, BLOCK_N,
                                               MASK_LEFT, MASK_RIGHT, chunk, MASK_CHUNK)
     n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
-    return bh // heads, bh % heads, m_start, lo, full_lo, full_hi, n_blocks
+    return b, h, m_start, lo, full_lo, full_hi, n_blocks
 
 
 @aggregate
@@ -124,7 +123,7 @@ class _Item:
 @gluon.jit
 def _read_item(slot):
     """The item _loader published in slot."""
-    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, b = read_item(slot)
+    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, b, _ = read_item(slot)
     return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_blocks, b)
 
 
@@ -157,7 +156,7 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER
             q_row0, sq, k_row0, sk, b_field = 0, seqlen_q, 0, seqlen_k, b
         sets.wait_free(r)
         publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks,
-                     b_field)  # _Item
+                     b_field, 0)  # _Item
         if valid:
             _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets.held, k_ring, v_ring, b, h, h // GROUP, m_start,
                        lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, IS_VARLEN)

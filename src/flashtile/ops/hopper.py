@@ -11,13 +11,14 @@ decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for
 answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward and
 backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
-The Gluon kernels take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D)
-box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the strides
-(tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D)
-box, where the persistent programs take (sequence, head, tile) items from a work counter over a list written once per
-call (schedule.varlen_plan, in the order of Note [longest sequences first]; Notes [persistent forward],
-[persistent varlen dQ] and [persistent varlen dK/dV]) and the kernels keep each sequence's rows to itself (Note
-[varlen descriptors] in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for
+The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter
+(Notes [persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
+(hopper_common.dense_work_item, its counter zeroed here per call), a varlen batch's from a list written once per
+call (schedule.varlen_plan, in the order of Note [longest sequences first], with the counters). They take host TMA
+descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D) box, so loads past a sequence's
+end read zeros and stores past it are dropped, per sequence, whatever the strides (tma_ready has made them
+TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D) box, where the kernels keep
+each sequence's rows to itself (Note [varlen descriptors] in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for
 the partial last tile of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
 """
 
@@ -161,6 +162,12 @@ def _shared_constexprs(cfg: HopperConfig, head_dim: int, group: int, left: bool,
                 MASK_CHUNK=flags["MASK_CHUNK"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
+def _dense_work(batch: int, heads: int, length: int, rows: int, device) -> tuple[int, torch.Tensor]:
+    """(n_items, a zeroed work counter) of a dense batch in a persistent Gluon kernel: batch x heads x the tiles of
+    `rows` rows over `length` (hopper_common.dense_work_item numbers them); a varlen batch's plan holds both."""
+    return batch * heads * -(-length // rows), torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
         cu_seqlens_k=None, plan: Optional[Plan] = None, learnable_sink: Optional[torch.Tensor] = None,
         attention_chunk: int = 0) -> None:
@@ -174,8 +181,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     # which a varlen batch's plan lists (its writer zeroed the work counter) and a dense batch's numbers.
     if not varlen:
         batch, seqlen_q = q.shape[:2]
-        n_items = batch * nheads * -(-seqlen_q // (2 * cfg.block_m))
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0,
                       n_items=n_items, heads=nheads)
@@ -205,27 +211,27 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
     varlen = cu_seqlens_q is not None
-    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   DO=_desc(dout, cfg.block_m), DQ=_desc(dq, cfg.block_m), DQ_PTR=dq if varlen else None, OUT=out,
-                   LSE=lse, DELTA=delta, TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
-                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[2] if varlen else None, qk_scale=qk_scale,
-                   softmax_scale=softmax_scale)
+    # Persistent (Note [persistent dQ] in kernels/hopper_dq.py), as the forward, a varlen batch on the same list.
     if not varlen:
         batch, seqlen_q = q.shape[:2]
-        grid = (-(-seqlen_q // (2 * cfg.block_m)), nheads, batch)
+        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ob=out.stride(0),
                       stride_om=out.stride(1), stride_oh=out.stride(2), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dqm=0, stride_dqh=0, n_items=0,
-                      heads=0)
+                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dqm=0, stride_dqh=0,
+                      n_items=n_items, heads=nheads)
     else:
-        # Persistent (Note [persistent varlen dQ] in kernels/hopper_dq.py), as the forward, on the same list.
         assert plan.has(2 * cfg.block_m, 0)
         n_items = plan.last_first.shape[0] * nheads
-        grid = (min(n_items, sm_count(q.device)), 1, 1)
+        counter = plan.counters[2]
         static = dict(stride_lb=0, stride_lh=lse.stride(0), stride_ob=0, stride_om=out.stride(0),
                       stride_oh=out.stride(1), seqlen_q=q.shape[0], seqlen_k=k.shape[0], wl=window_left,
                       wr=window_right, chunk=attention_chunk, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1),
                       n_items=n_items, heads=nheads)
+    grid = (min(n_items, sm_count(q.device)), 1, 1)
+    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
+                   DO=_desc(dout, cfg.block_m), DQ=_desc(dq, cfg.block_m), DQ_PTR=dq if varlen else None, OUT=out,
+                   LSE=lse, DELTA=delta, TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
+                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=counter, qk_scale=qk_scale, softmax_scale=softmax_scale)
     launch_named(_hopper_dq_kernel, grid, dynamic, static,
                  _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4)
 
@@ -238,27 +244,27 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
     varlen = cu_seqlens_q is not None
-    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   DO=_desc(dout, cfg.block_m), DK=_desc(dk, cfg.block_n), DV=_desc(dv, cfg.block_n),
-                   DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None, LSE=lse, DELTA=delta,
-                   TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
-                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else None, qk_scale=qk_scale,
-                   softmax_scale=softmax_scale)
+    # Persistent (Note [persistent dK/dV] in kernels/hopper_bwd.py), as the forward.
     if not varlen:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
-        grid = (-(-seqlen_k // (2 * cfg.block_n)), nheads_kv, batch)
+        n_items, counter = _dense_work(batch, nheads_kv, seqlen_k, 2 * cfg.block_n, q.device)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=0, stride_dkh=0,
-                      stride_dvm=0, stride_dvh=0, n_items=0, heads=0)
+                      stride_dvm=0, stride_dvh=0, n_items=n_items, heads=nheads_kv)
     else:
-        # Persistent (Note [persistent varlen dK/dV] in kernels/hopper_bwd.py), as the forward.
         assert plan.has(0, 2 * cfg.block_n)
         n_items = plan.first_first.shape[0] * nheads_kv
-        grid = (min(n_items, sm_count(q.device)), 1, 1)
+        counter = plan.counters[1]
         static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=dk.stride(0),
                       stride_dkh=dk.stride(1),
                       stride_dvm=dv.stride(0), stride_dvh=dv.stride(1), n_items=n_items, heads=nheads_kv)
+    grid = (min(n_items, sm_count(q.device)), 1, 1)
+    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
+                   DO=_desc(dout, cfg.block_m), DK=_desc(dk, cfg.block_n), DV=_desc(dv, cfg.block_n),
+                   DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None, LSE=lse, DELTA=delta,
+                   TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
+                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=counter, qk_scale=qk_scale, softmax_scale=softmax_scale)
     launch_named(_hopper_dkdv_kernel, grid, dynamic, static,
                  _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4)

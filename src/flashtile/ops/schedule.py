@@ -70,8 +70,8 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
     (seqlen.py: seq_lengths); with `block`, that order written out as a tile list of `block`-row tiles, one
     (sequence, tile) entry per tile in tile_coords' order (each sequence's last tile first, `last_first`, or first
     tile first, `first_first`, or both), then (-1, -1) up to the entries of tile_grid's grid, and zeroed work
-    counters for the persistent Gluon kernels (Notes [persistent forward], [persistent varlen dQ] and
-    [persistent varlen dK/dV]).
+    counters for the persistent Gluon kernels (Notes [persistent forward], [persistent dQ] and
+    [persistent dK/dV]).
     Kernels that walk the schedule take `schedule`, kernels that read their tile take a list (the Gluon kernels and
     the varlen dQ kernel). One launch (kernels/schedule.py: _plan_kernel), through the launch cache, no host
     synchronisation. Notes [varlen tile list] and [longest sequences first] in kernels/seqlen.py."""
