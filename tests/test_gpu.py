@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.ops import hopper
+from flashtile.ops import hopper, schedule
 from flashtile.ops.device import pdl_supported
 from flashtile.ops.hopper import hopper_unsupported
 from test_attention import MASKS, run_case
@@ -116,6 +116,23 @@ def test_hopper_path(device, case, mask):
     q = torch.empty(case[0], case[1], case[3], head_dim, device=device, dtype=dtype)
     k = torch.empty(case[0], case[2], case[4], head_dim, device=device, dtype=dtype)
     assert flashtile.kernel_paths(q, k, k, causal=causal, window_size=window) == dict(GLUON, reason=None)
+
+
+def test_hopper_dense_counters_reset(device):
+    """A dense batch's work counters are not zeroed per call: each launch leaves its own at 0 for the next (Note
+    [self-resetting counter]). Calls whose grids differ (one item, fewer items than SMs, more), on the default
+    stream and on a side stream, each match the oracle, and afterwards every counter reads 0."""
+    _need_hopper(device)
+    side = torch.cuda.Stream(device)
+    for case in [(1, 17, 33, 4, 2), (2, 1023, 1025, 4, 2), (1, 1, 1, 4, 4), (4, 2048, 2048, 8, 2)]:
+        for stream in (torch.cuda.current_stream(device), side):
+            with torch.cuda.stream(stream):
+                run_case(device, *case, 128, torch.bfloat16, True, (-1, -1))
+                assert flashtile.last_kernel_paths() == GLUON
+    torch.cuda.synchronize(device)
+    counters = [(key, c) for key, cs in schedule._DENSE_COUNTERS.items() for c in cs]
+    assert {key[1] for key, _ in counters} >= {torch.cuda.current_stream(device).cuda_stream, side.cuda_stream}
+    assert all(int(c) == 0 for _, c in counters)
 
 
 @pytest.mark.parametrize("causal", [False, True])

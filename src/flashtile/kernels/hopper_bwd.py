@@ -58,8 +58,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.language.core import _aggregate as aggregate
 
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
-                            publish_item, read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store,
-                            work_item, zero_rows_from)
+                            publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
+                            tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, chunk_start, q_block_range
 
 
@@ -166,7 +166,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, la
     n_landed = 0
     done = False
     while not done:
-        w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
+        w = take_item(COUNTER, n_items, not IS_VARLEN)  # a varlen plan's counters are zeroed per call
         if IS_VARLEN:
             valid, b, hk, pid_n, q_row0, sq, k_row0, sk = work_item(gl.minimum(w, n_items - 1), heads, TILES,
                                                                     CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,

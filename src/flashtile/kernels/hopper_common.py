@@ -287,6 +287,23 @@ def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROW
     return valid, b, h, tile, q_row0, seqlen_q, k_row0, seqlen_k
 
 
+# Note [self-resetting counter]: a dense batch's work counter is not zeroed per call (that is a memset launch and
+# an allocation on the host's path) but left at 0 by the launch that used it. Every program takes items until it
+# draws one past the last, so a launch of G programs over n items draws exactly n + G numbers, and the program
+# that draws n + G - 1 makes the counter's last atomic: it stores 0 there, for the next launch on the stream
+# (ops/schedule.work_counter keeps one counter per kernel, device and stream; a launch under CUDA-graph capture
+# takes a zeroed counter of its own).
+@gluon.jit
+def take_item(COUNTER, n_items, RESET: gl.constexpr):
+    """The next work item's number from COUNTER (an atomic add: one thread's, its result broadcast to the warp);
+    with RESET the draw of n_items + the grid - 1 leaves the counter at 0 (Note [self-resetting counter])."""
+    w = gl.atomic_add(COUNTER, 1)
+    if RESET:
+        if w == n_items + gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+    return w
+
+
 @gluon.jit
 def dense_work_item(w, heads, length, ROWS: gl.constexpr, LAST_FIRST: gl.constexpr):
     """Work item w of a dense batch in a persistent kernel: (b, h, tile) for tiles of ROWS rows over `length`, the

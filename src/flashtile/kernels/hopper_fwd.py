@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.language.core import _aggregate as aggregate
 
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, publish_item,
-                            read_item, ring_barriers, store_rows, tile_buffers, tma_load, tma_store, work_item,
-                            zero_rows_from)
+                            read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load, tma_store,
+                            work_item, zero_rows_from)
 from .masking import LN2, LOG2E, apply_mask, kv_block_range
 from .softmax import sink_state
 
@@ -141,7 +141,7 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER
     r = 0
     done = False
     while not done:
-        w = gl.atomic_add(COUNTER, 1)  # one thread's atomic, its result broadcast to the warp
+        w = take_item(COUNTER, n_items, not IS_VARLEN)  # a varlen plan's counters are zeroed per call
         if IS_VARLEN:
             valid, b, h, m_start, q_row0, sq, k_row0, sk, lo, full_lo, full_hi, n_blocks = _varlen_item(
                 gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr,

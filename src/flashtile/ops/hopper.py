@@ -11,15 +11,16 @@ decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for
 answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward and
 backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
-The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter
-(Notes [persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
-(hopper_common.dense_work_item, its counter zeroed here per call), a varlen batch's from a list written once per
-call (schedule.varlen_plan, in the order of Note [longest sequences first], with the counters). They take host TMA
-descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows, 1, D) box, so loads past a sequence's
-end read zeros and stores past it are dropped, per sequence, whatever the strides (tma_ready has made them
-TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows, 1, D) box, where the kernels keep
-each sequence's rows to itself (Note [varlen descriptors] in kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for
-the partial last tile of a sequence, which they store by pointer under a row mask (hopper_common.store_rows).
+The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter (Notes
+[persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
+(hopper_common.dense_work_item, on a counter each launch leaves at 0 for the next: schedule.dense_counter), a varlen
+batch's from a list written once per call (schedule.varlen_plan, in the order of Note [longest sequences first],
+with the counters). They take host TMA descriptors: over the (B, S, H, D) tensors of a dense batch with a (1, rows,
+1, D) box, so loads past a sequence's end read zeros and stores past it are dropped, per sequence, whatever the
+strides (tma_ready has made them TMA-legal); over the packed (total, H, D) tensors of a varlen batch with a (rows,
+1, D) box, where the kernels keep each sequence's rows to itself (Note [varlen descriptors] in
+kernels/hopper_fwd.py). The varlen kernels also take the output tensors themselves, for the partial last tile of a
+sequence, which they store by pointer under a row mask (hopper_common.store_rows).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
 from .descriptors import kernel_strides
 from .device import capability, on_gpu, sm_count
-from .schedule import Plan
+from .schedule import Plan, dense_counter
 from .launch import launch_named
 from .triton_internals import descriptor
 
@@ -162,10 +163,11 @@ def _shared_constexprs(cfg: HopperConfig, head_dim: int, group: int, left: bool,
                 MASK_CHUNK=flags["MASK_CHUNK"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
-def _dense_work(batch: int, heads: int, length: int, rows: int, device) -> tuple[int, torch.Tensor]:
-    """(n_items, a zeroed work counter) of a dense batch in a persistent Gluon kernel: batch x heads x the tiles of
-    `rows` rows over `length` (hopper_common.dense_work_item numbers them); a varlen batch's plan holds both."""
-    return batch * heads * -(-length // rows), torch.zeros(1, dtype=torch.int32, device=device)
+def _dense_work(batch: int, heads: int, length: int, rows: int, device, kernel: int) -> tuple[int, torch.Tensor]:
+    """(n_items, the work counter) of a dense batch in persistent Gluon kernel `kernel` (schedule.dense_counter):
+    batch x heads x the tiles of `rows` rows over `length` (hopper_common.dense_work_item numbers them); a varlen
+    batch's plan holds both."""
+    return batch * heads * -(-length // rows), dense_counter(device, kernel)
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
@@ -181,7 +183,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     # which a varlen batch's plan lists (its writer zeroed the work counter) and a dense batch's numbers.
     if not varlen:
         batch, seqlen_q = q.shape[:2]
-        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device)
+        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device, 0)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0,
                       n_items=n_items, heads=nheads)
@@ -214,7 +216,7 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
     # Persistent (Note [persistent dQ] in kernels/hopper_dq.py), as the forward, a varlen batch on the same list.
     if not varlen:
         batch, seqlen_q = q.shape[:2]
-        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device)
+        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device, 2)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ob=out.stride(0),
                       stride_om=out.stride(1), stride_oh=out.stride(2), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_dqm=0, stride_dqh=0,
@@ -248,7 +250,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
     if not varlen:
         batch, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
-        n_items, counter = _dense_work(batch, nheads_kv, seqlen_k, 2 * cfg.block_n, q.device)
+        n_items, counter = _dense_work(batch, nheads_kv, seqlen_k, 2 * cfg.block_n, q.device, 1)
         static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                       wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=0, stride_dkh=0,
                       stride_dvm=0, stride_dvh=0, n_items=n_items, heads=nheads_kv)

@@ -18,6 +18,7 @@ from ..config import HOPPER, tile_config
 from ..kernels.schedule import MAX_SORT, _plan_kernel
 from ..kernels.seqlen import MAX_STEP
 from .common import cdiv, next_power_of_2
+from .device import graph_capturing
 from .launch import launch_named
 
 
@@ -99,6 +100,25 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
                           HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
                           COST_PACKED=cost_packed), num_warps=4)
     return plan
+
+
+# Dense work counters by (device index, CUDA stream): [0] the forward's, [1] dK/dV's, [2] dQ's, as Plan.counters.
+_DENSE_COUNTERS: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+
+def dense_counter(device: torch.device, kernel: int) -> torch.Tensor:
+    """The work counter of a persistent Gluon kernel (`kernel`: 0 forward, 1 dK/dV, 2 dQ) over a dense batch, 0 at
+    launch: one per kernel, device and stream, which each launch leaves at 0 for the next (Note
+    [self-resetting counter] in kernels/hopper_common.py); kernels on one stream run in order, and the three
+    kernels of a call never share one. A launch being captured into a CUDA graph gets a zeroed counter of its own,
+    so that replays (on whatever stream) share nothing with eager calls; so does a launch that is not on a GPU."""
+    if device.type != "cuda" or graph_capturing(device):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counters = _DENSE_COUNTERS.get(key)
+    if counters is None:
+        counters = _DENSE_COUNTERS[key] = torch.zeros(3, dtype=torch.int32, device=device).split(1)
+    return counters[kernel]
 
 
 def self_attention(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q: int, seqlen_k: int) -> bool:
