@@ -81,7 +81,7 @@ def _captured_launch(monkeypatch, device, which, varlen):
     from flashtile.ops.schedule import varlen_plan
 
     calls = []
-    def record(kernel, grid, dynamic, static, constexprs, num_warps):  # ordered from the kernel's parameters
+    def record(kernel, grid, dynamic, static, constexprs, num_warps, key=None):  # ordered as the kernel's
         calls.append((kernel, grid, *launch_module._order(kernel, dynamic, static, constexprs), constexprs))
 
     monkeypatch.setattr(hopper, "launch_named", record)

@@ -191,10 +191,10 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     prepare_launch(q)
     if gluon:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                      cu_seqlens_q, cu_seqlens_k, plan, p.attention_chunk)
+                      cu_seqlens_q, cu_seqlens_k, plan, p.attention_chunk, key=key)
         record("bwd_dq", HOPPER_PATH)
         hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                        cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk)
+                        cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk, key=key)
         record("bwd_dkdv", HOPPER_PATH)
         return grads, delta
     # The dK/dV kernel may run beside the dQ kernel (PDL): the dQ kernel's descriptor scratch must outlive both

@@ -36,7 +36,12 @@ def kernel_strides(t: torch.Tensor) -> list[int]:
     1 is never stepped along, so its stride may be anything; give it the stride it would have in a contiguous
     tensor: TMA wants every stride 16-byte aligned, and a stride of 1 would be an integer Triton specialises into
     a constant, compiling another kernel (Note [runtime integers] in kernels/__init__.py)."""
-    shape, strides = t.shape, list(t.stride())
+    return kernel_strides_of(t.shape, t.stride())
+
+
+def kernel_strides_of(shape: torch.Size, stride: tuple) -> list[int]:
+    """kernel_strides of a tensor with this shape and these strides."""
+    strides = list(stride)
     if 1 in shape:
         for i in range(len(shape) - 2, -1, -1):
             if shape[i] == 1:

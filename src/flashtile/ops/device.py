@@ -56,6 +56,19 @@ def on_gpu(device: torch.device) -> bool:
     return device.type == "cuda" or capture_target() is not None
 
 
+# The current stream's handle by device index, what Triton's launcher reads too (torch.cuda.current_stream builds a
+# Stream object per call, several microseconds on the host's path).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_handle(device: torch.device) -> int:
+    """The handle of `device`'s current CUDA stream (torch.cuda.Stream.cuda_stream)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _raw_stream is None:
+        return torch.cuda.current_stream(index).cuda_stream
+    return _raw_stream(index)
+
+
 def graph_capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -120,7 +120,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if gluon:
         # Note [hopper path] in ops/hopper.py
         hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, plan,
-                   p.learnable_sink, p.attention_chunk)
+                   p.learnable_sink, p.attention_chunk, key=p.key())
         record("fwd", HOPPER_PATH)
         return out, lse, plan
     record("fwd", TRITON)

@@ -34,7 +34,7 @@ import torch
 from .. import env
 from ..config import HOPPER, HopperConfig
 from ..problem import kernel_flags
-from .descriptors import kernel_strides
+from .descriptors import kernel_strides_of
 from .device import capability, on_gpu, sm_count
 from .schedule import Plan, dense_counter
 from .launch import launch_named
@@ -137,11 +137,16 @@ def _layout(box: tuple, dtype: torch.dtype):
 
 def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
-    shape, strides = list(t.shape), kernel_strides(t)
-    box = (*(1,) * (t.dim() - 3), rows, 1, shape[-1])
     # Without the dataclass's checks where Triton allows, as descriptors.host_desc.
-    return descriptor(TensorDescriptor, base=t, shape=shape, strides=strides, block_shape=list(box),
-                      layout=_layout(box, t.dtype), padding="zero")
+    return descriptor(TensorDescriptor, base=t, **_desc_fields(t.shape, t.stride(), t.dtype, rows))
+
+
+@functools.lru_cache(maxsize=1024)
+def _desc_fields(shape: torch.Size, stride: tuple, dtype: torch.dtype, rows: int) -> dict:
+    """_desc's fields but the tensor, per layout (a model has a few; Triton's launcher only reads them)."""
+    box = (*(1,) * (len(shape) - 3), rows, 1, shape[-1])
+    return dict(shape=list(shape), strides=kernel_strides_of(shape, stride), block_shape=list(box),
+                layout=_layout(box, dtype), padding="zero")
 
 
 def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left: int, window_right: int,
@@ -172,10 +177,11 @@ def _dense_work(batch: int, heads: int, length: int, rows: int, device, kernel: 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
         cu_seqlens_k=None, plan: Optional[Plan] = None, learnable_sink: Optional[torch.Tensor] = None,
-        attention_chunk: int = 0) -> None:
+        attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
     its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py);
-    learnable_sink: fp32 (H,) or None; attention_chunk: 0 for none."""
+    learnable_sink: fp32 (H,) or None; attention_chunk: 0 for none. key: the problem's launch key, for the launch
+    cache (ops/call.OpProblem.key; launch.launch_named), None to derive one from the arguments."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
     varlen = cu_seqlens_q is not None
@@ -202,14 +208,15 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     launch_named(_hopper_fwd_kernel, grid, dynamic, static,
                  dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
                       HAS_SINK=learnable_sink is not None),
-                 num_warps=4)
+                 num_warps=4, key=key)
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
            window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
-           attention_chunk: int = 0) -> None:
+           attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
     """dq and delta = rowsum(dout * out) of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen
-    (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles."""
+    (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles. key:
+    as fwd's."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
     varlen = cu_seqlens_q is not None
@@ -235,14 +242,14 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
                    LSE=lse, DELTA=delta, TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=counter, qk_scale=qk_scale, softmax_scale=softmax_scale)
     launch_named(_hopper_dq_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4)
+                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4, key=key)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
              window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
-             attention_chunk: int = 0) -> None:
+             attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
     """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with a
-    plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py)."""
+    plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py). key: as fwd's."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
     varlen = cu_seqlens_q is not None
@@ -269,4 +276,4 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                    TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=counter, qk_scale=qk_scale, softmax_scale=softmax_scale)
     launch_named(_hopper_dkdv_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4)
+                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4, key=key)

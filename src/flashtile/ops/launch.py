@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 from collections.abc import Callable
 from typing import NamedTuple, Optional
@@ -68,6 +69,7 @@ class _Entry(NamedTuple):
     spec: tuple
     dynamic_names: tuple  # the kernel's first parameters, the dynamic ones (launch_named takes them by name)
     static_names: tuple
+    pick: Callable[[dict], tuple]  # launch_named's dynamic values in dynamic_names' order
 
 
 _CACHE: dict[tuple, _Entry] = {}
@@ -111,7 +113,7 @@ def signature(*xs) -> tuple:
     pointer is 16-byte aligned (Triton's pointer specialisation); for a host TMA descriptor its tensor's, its box
     and shared layout; for a float only its type (Triton passes floats as they are, with no specialisation); other
     values as they are."""
-    return tuple(map(_signature, xs))
+    return tuple([None if x is None else _signature(x) for x in xs])  # most optional arguments are None
 
 
 def _uncached() -> bool:
@@ -300,24 +302,30 @@ def _order(kernel, dynamic: dict, static: dict, constexprs: dict) -> tuple[tuple
     return tuple(dynamic[n] for n in groups[0][0]), tuple(static[n] for n in groups[1][0])
 
 
-def launch_named(kernel, grid: tuple, dynamic: dict, static: dict, constexprs: dict, num_warps: int) -> None:
+def launch_named(kernel, grid: tuple, dynamic: dict, static: dict, constexprs: dict, num_warps: int,
+                 key: Optional[tuple] = None) -> None:
     """Launch `kernel[grid]` whose tile is already in `constexprs` (the Gluon kernels: ops/hopper.py; the varlen
     plan: ops/schedule.py) with its arguments by name, ordered from the kernel's own parameter list: the dynamic
     ones (tensors, descriptors, pointers that may be None, float scalars) first, then the static integers, then
     the constexprs. Through the launch cache, whose key is derived from the arguments themselves (the signature of
-    every dynamic value, every static value and constexpr, the grid), so it is complete by construction."""
+    every dynamic value, every static value and constexpr, the grid), so it is complete by construction; or, given
+    `key`, from the problem that determines all of those (ops/call.OpProblem.key, which a call computes once for
+    all its launches), checked as launch() checks its key (Note [launch cache])."""
     if _capture.launches is not None:
         d, st = _order(kernel, dynamic, static, constexprs)
         _capture.launches.append(Launch(kernel, tuple(grid), (*d, *st), constexprs | {"num_warps": num_warps}))
         return
     device = torch.cuda.current_device() if not env.INTERPRET else -1
-    # Name order is the launcher's own, fixed per call site: the values' order matches from call to call.
-    key = (kernel, device, signature(*dynamic.values()), tuple(static.values()), tuple(constexprs.values()),
-           tuple(grid), tuple(dynamic), tuple(static))
+    if key is None:
+        # Name order is the launcher's own, fixed per call site: the values' order matches from call to call.
+        key = (signature(*dynamic.values()), tuple(static.values()), tuple(constexprs.values()), tuple(dynamic),
+               tuple(static))
+    # The grid too: a persistent grid's size is the device's SM count, which a problem key does not hold.
+    key = (kernel, device, key, grid)
     uncached = _uncached()
     entry = _CACHE.get(key) if not uncached else None
     if entry is not None:
-        d = tuple(dynamic[n] for n in entry.dynamic_names)
+        d = entry.pick(dynamic)
         if env.INTERPRET or env.debug_checks():
             _check(kernel, entry, d, tuple(static[n] for n in entry.static_names), constexprs, tuple(grid))
         _launch_cached(kernel, device, entry, d)
@@ -341,7 +349,16 @@ def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_ar
     _CACHE[full_key] = _Entry(compiled, grid, (*static_args, *(constexprs[n] for n in names)), options, static_args,
                               checked_constexprs, triton_internals.specialisation(dynamic),
                               tuple(kernel.arg_names[:n_dynamic]),
-                              tuple(kernel.arg_names[n_dynamic:n_dynamic + n_static]))
+                              tuple(kernel.arg_names[n_dynamic:n_dynamic + n_static]),
+                              _picker(kernel.arg_names[:n_dynamic]))
+
+
+def _picker(names) -> Callable[[dict], tuple]:
+    """A function of a dict giving the values of `names` in order, as a tuple (itemgetter gives a bare value for
+    one name)."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    return lambda values: tuple(values[n] for n in names)
 
 
 def _grid(s: Static, cfg: TileConfig) -> tuple[int, int, int]:

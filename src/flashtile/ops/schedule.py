@@ -18,7 +18,7 @@ from ..config import HOPPER, tile_config
 from ..kernels.schedule import MAX_SORT, _plan_kernel
 from ..kernels.seqlen import MAX_STEP
 from .common import cdiv, next_power_of_2
-from .device import graph_capturing
+from .device import graph_capturing, stream_handle
 from .launch import launch_named
 
 
@@ -114,10 +114,11 @@ def dense_counter(device: torch.device, kernel: int) -> torch.Tensor:
     so that replays (on whatever stream) share nothing with eager calls; so does a launch that is not on a GPU."""
     if device.type != "cuda" or graph_capturing(device):
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    key = (device.index, stream_handle(device))
     counters = _DENSE_COUNTERS.get(key)
     if counters is None:
-        counters = _DENSE_COUNTERS[key] = torch.zeros(3, dtype=torch.int32, device=device).split(1)
+        # 16 bytes apart, each as aligned as the fresh counter a capture gets (Triton specialises pointers on it)
+        counters = _DENSE_COUNTERS[key] = tuple(torch.zeros(3, 4, dtype=torch.int32, device=device)[:, 0:1])
     return counters[kernel]
 
 
