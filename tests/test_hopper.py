@@ -81,7 +81,8 @@ def _captured_launch(monkeypatch, device, which, varlen):
     from flashtile.ops.schedule import varlen_plan
 
     calls = []
-    def record(kernel, grid, dynamic, static, constexprs, num_warps, key=None):  # ordered as the kernel's
+    def record(kernel, dynamic, statics, num_warps, key=None):  # ordered from the kernel's parameters
+        grid, static, constexprs = statics()
         calls.append((kernel, grid, *launch_module._order(kernel, dynamic, static, constexprs), constexprs))
 
     monkeypatch.setattr(hopper, "launch_named", record)

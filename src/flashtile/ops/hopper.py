@@ -37,7 +37,7 @@ from ..problem import kernel_flags
 from .descriptors import kernel_strides_of
 from .device import capability, on_gpu, sm_count
 from .schedule import Plan, dense_counter
-from .launch import launch_named
+from .launch import StaticByName, launch_named
 from .triton_internals import descriptor
 
 try:
@@ -87,6 +87,8 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
         return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
     if head_dim_v is not None and head_dim_v != head_dim:
         return f"head_dim_v {head_dim_v} != head_dim {head_dim}: the Gluon kernels take one head dim"
+    if not (paged or seqused or softcap > 0.0 or alibi or dropout):  # the common case, without building the list
+        return None
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi"), (dropout, "dropout")):
         if cond:
@@ -168,11 +170,14 @@ def _shared_constexprs(cfg: HopperConfig, head_dim: int, group: int, left: bool,
                 MASK_CHUNK=flags["MASK_CHUNK"], IS_VARLEN=varlen, **cfg.kwargs())
 
 
-def _dense_work(batch: int, heads: int, length: int, rows: int, device, kernel: int) -> tuple[int, torch.Tensor]:
-    """(n_items, the work counter) of a dense batch in persistent Gluon kernel `kernel` (schedule.dense_counter):
-    batch x heads x the tiles of `rows` rows over `length` (hopper_common.dense_work_item numbers them); a varlen
-    batch's plan holds both."""
-    return batch * heads * -(-length // rows), dense_counter(device, kernel)
+def _persistent_grid(n_items: int, programs: int) -> tuple[int, int, int]:
+    return (min(n_items, programs), 1, 1)
+
+
+def _items(batch: int, heads: int, length: int, rows: int) -> int:
+    """The work items of a dense batch in a persistent Gluon kernel: batch x heads x the tiles of `rows` rows over
+    `length` (hopper_common.dense_work_item numbers them); a varlen batch's plan lists them."""
+    return batch * heads * -(-length // rows)
 
 
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
@@ -180,35 +185,39 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
         attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
     """out and lse of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen (total, H, D) with
     its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles (ops/fwd.py);
-    learnable_sink: fp32 (H,) or None; attention_chunk: 0 for none. key: the problem's launch key, for the launch
-    cache (ops/call.OpProblem.key; launch.launch_named), None to derive one from the arguments."""
+    learnable_sink: fp32 (H,) or None; attention_chunk: 0 for none. key: the problem's launch key
+    (ops/call.OpProblem.key), which with the SM count determines the launch (launch.launch_named); None to derive
+    one from the arguments."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
     varlen = cu_seqlens_q is not None
+    programs = sm_count(q.device)
     # Persistent (Note [persistent forward] in kernels/hopper_fwd.py): one program per SM over the work items,
     # which a varlen batch's plan lists (its writer zeroed the work counter) and a dense batch's numbers.
-    if not varlen:
-        batch, seqlen_q = q.shape[:2]
-        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device, 0)
-        static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0,
-                      n_items=n_items, heads=nheads)
-    else:
+    if varlen:
         assert plan.has(2 * cfg.block_m, 0)
-        n_items = plan.last_first.shape[0] * nheads
-        counter = plan.counters[0]
-        static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
-                      stride_oh=out.stride(1), n_items=n_items, heads=nheads)
-    grid = (min(n_items, sm_count(q.device)), 1, 1)
+
+    def statics() -> StaticByName:
+        if not varlen:
+            batch, seqlen_q = q.shape[:2]
+            n_items = _items(batch, nheads, seqlen_q, 2 * cfg.block_m)
+            static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0,
+                          n_items=n_items, heads=nheads)
+        else:
+            n_items = plan.last_first.shape[0] * nheads
+            static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
+                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
+                          stride_oh=out.stride(1), n_items=n_items, heads=nheads)
+        return StaticByName(_persistent_grid(n_items, programs), static,
+                       dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
+                            HAS_SINK=learnable_sink is not None))
+
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
                    O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
-                   COUNTER=counter, qk_scale=qk_scale)
-    launch_named(_hopper_fwd_kernel, grid, dynamic, static,
-                 dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
-                      HAS_SINK=learnable_sink is not None),
-                 num_warps=4, key=key)
+                   COUNTER=plan.counters[0] if varlen else dense_counter(q.device, 0), qk_scale=qk_scale)
+    launch_named(_hopper_fwd_kernel, dynamic, statics, num_warps=4, key=None if key is None else (key, programs))
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
@@ -220,29 +229,34 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
     varlen = cu_seqlens_q is not None
+    programs = sm_count(q.device)
     # Persistent (Note [persistent dQ] in kernels/hopper_dq.py), as the forward, a varlen batch on the same list.
-    if not varlen:
-        batch, seqlen_q = q.shape[:2]
-        n_items, counter = _dense_work(batch, nheads, seqlen_q, 2 * cfg.block_m, q.device, 2)
-        static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ob=out.stride(0),
-                      stride_om=out.stride(1), stride_oh=out.stride(2), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dqm=0, stride_dqh=0,
-                      n_items=n_items, heads=nheads)
-    else:
+    if varlen:
         assert plan.has(2 * cfg.block_m, 0)
-        n_items = plan.last_first.shape[0] * nheads
-        counter = plan.counters[2]
-        static = dict(stride_lb=0, stride_lh=lse.stride(0), stride_ob=0, stride_om=out.stride(0),
-                      stride_oh=out.stride(1), seqlen_q=q.shape[0], seqlen_k=k.shape[0], wl=window_left,
-                      wr=window_right, chunk=attention_chunk, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1),
-                      n_items=n_items, heads=nheads)
-    grid = (min(n_items, sm_count(q.device)), 1, 1)
+
+    def statics() -> StaticByName:
+        if not varlen:
+            batch, seqlen_q = q.shape[:2]
+            n_items = _items(batch, nheads, seqlen_q, 2 * cfg.block_m)
+            static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ob=out.stride(0),
+                          stride_om=out.stride(1), stride_oh=out.stride(2), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_dqm=0, stride_dqh=0,
+                          n_items=n_items, heads=nheads)
+        else:
+            n_items = plan.last_first.shape[0] * nheads
+            static = dict(stride_lb=0, stride_lh=lse.stride(0), stride_ob=0, stride_om=out.stride(0),
+                          stride_oh=out.stride(1), seqlen_q=q.shape[0], seqlen_k=k.shape[0], wl=window_left,
+                          wr=window_right, chunk=attention_chunk, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1),
+                          n_items=n_items, heads=nheads)
+        return StaticByName(_persistent_grid(n_items, programs), static,
+                       _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
+
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
                    DO=_desc(dout, cfg.block_m), DQ=_desc(dq, cfg.block_m), DQ_PTR=dq if varlen else None, OUT=out,
                    LSE=lse, DELTA=delta, TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
-                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=counter, qk_scale=qk_scale, softmax_scale=softmax_scale)
-    launch_named(_hopper_dq_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4, key=key)
+                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[2] if varlen else dense_counter(q.device, 2),
+                   qk_scale=qk_scale, softmax_scale=softmax_scale)
+    launch_named(_hopper_dq_kernel, dynamic, statics, num_warps=4, key=None if key is None else (key, programs))
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
@@ -253,27 +267,32 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
     varlen = cu_seqlens_q is not None
+    programs = sm_count(q.device)
     # Persistent (Note [persistent dK/dV] in kernels/hopper_bwd.py), as the forward.
-    if not varlen:
-        batch, seqlen_q = q.shape[:2]
-        seqlen_k = k.shape[1]
-        n_items, counter = _dense_work(batch, nheads_kv, seqlen_k, 2 * cfg.block_n, q.device, 1)
-        static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=0, stride_dkh=0,
-                      stride_dvm=0, stride_dvh=0, n_items=n_items, heads=nheads_kv)
-    else:
+    if varlen:
         assert plan.has(0, 2 * cfg.block_n)
-        n_items = plan.first_first.shape[0] * nheads_kv
-        counter = plan.counters[1]
-        static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
-                      wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=dk.stride(0),
-                      stride_dkh=dk.stride(1),
-                      stride_dvm=dv.stride(0), stride_dvh=dv.stride(1), n_items=n_items, heads=nheads_kv)
-    grid = (min(n_items, sm_count(q.device)), 1, 1)
+
+    def statics() -> StaticByName:
+        if not varlen:
+            batch, seqlen_q = q.shape[:2]
+            seqlen_k = k.shape[1]
+            n_items = _items(batch, nheads_kv, seqlen_k, 2 * cfg.block_n)
+            static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=0, stride_dkh=0,
+                          stride_dvm=0, stride_dvh=0, n_items=n_items, heads=nheads_kv)
+        else:
+            n_items = plan.first_first.shape[0] * nheads_kv
+            static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
+                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_dkm=dk.stride(0),
+                          stride_dkh=dk.stride(1), stride_dvm=dv.stride(0), stride_dvh=dv.stride(1),
+                          n_items=n_items, heads=nheads_kv)
+        return StaticByName(_persistent_grid(n_items, programs), static,
+                       _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
+
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
                    DO=_desc(dout, cfg.block_m), DK=_desc(dk, cfg.block_n), DV=_desc(dv, cfg.block_n),
                    DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None, LSE=lse, DELTA=delta,
                    TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
-                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=counter, qk_scale=qk_scale, softmax_scale=softmax_scale)
-    launch_named(_hopper_dkdv_kernel, grid, dynamic, static,
-                 _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen), num_warps=4, key=key)
+                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else dense_counter(q.device, 1),
+                   qk_scale=qk_scale, softmax_scale=softmax_scale)
+    launch_named(_hopper_dkdv_kernel, dynamic, statics, num_warps=4, key=None if key is None else (key, programs))

@@ -302,40 +302,55 @@ def _order(kernel, dynamic: dict, static: dict, constexprs: dict) -> tuple[tuple
     return tuple(dynamic[n] for n in groups[0][0]), tuple(static[n] for n in groups[1][0])
 
 
-def launch_named(kernel, grid: tuple, dynamic: dict, static: dict, constexprs: dict, num_warps: int,
+class StaticByName(NamedTuple):
+    """The part of a launch_named launch that its key determines."""
+    grid: tuple
+    static: dict  # the integers after the dynamic arguments, by name
+    constexprs: dict  # every constexpr, the tile's included
+
+
+def launch_named(kernel, dynamic: dict, statics: Callable[[], StaticByName], num_warps: int,
                  key: Optional[tuple] = None) -> None:
-    """Launch `kernel[grid]` whose tile is already in `constexprs` (the Gluon kernels: ops/hopper.py; the varlen
-    plan: ops/schedule.py) with its arguments by name, ordered from the kernel's own parameter list: the dynamic
-    ones (tensors, descriptors, pointers that may be None, float scalars) first, then the static integers, then
-    the constexprs. Through the launch cache, whose key is derived from the arguments themselves (the signature of
-    every dynamic value, every static value and constexpr, the grid), so it is complete by construction; or, given
-    `key`, from the problem that determines all of those (ops/call.OpProblem.key, which a call computes once for
-    all its launches), checked as launch() checks its key (Note [launch cache])."""
+    """Launch `kernel` (the Gluon kernels: ops/hopper.py; the varlen plan: ops/schedule.py) with its arguments by
+    name, ordered from the kernel's own parameter list: the dynamic ones (tensors, descriptors, pointers that may
+    be None, float scalars) first, then statics()'s static integers, then its constexprs, on statics()'s grid.
+
+    Through the launch cache (Note [launch cache]). Its key is derived from the arguments themselves (the
+    signature of every dynamic value, every static value and constexpr, the grid), so it is complete by
+    construction; or, given `key`, it is that key, which must determine statics() and the dynamic values'
+    specialisation: an OpProblem's (ops/call.py), which a call computes once for all its launches, with whatever
+    else the launcher reads (the SM count of a persistent grid). Then statics() runs only on a miss, or to check a
+    hit as launch() checks one (under the interpreter and FLASHTILE_CHECK=1)."""
     if _capture.launches is not None:
-        d, st = _order(kernel, dynamic, static, constexprs)
-        _capture.launches.append(Launch(kernel, tuple(grid), (*d, *st), constexprs | {"num_warps": num_warps}))
+        s = statics()
+        d, st = _order(kernel, dynamic, s.static, s.constexprs)
+        _capture.launches.append(Launch(kernel, tuple(s.grid), (*d, *st), s.constexprs | {"num_warps": num_warps}))
         return
     device = torch.cuda.current_device() if not env.INTERPRET else -1
+    s = None
     if key is None:
+        s = statics()
         # Name order is the launcher's own, fixed per call site: the values' order matches from call to call.
-        key = (signature(*dynamic.values()), tuple(static.values()), tuple(constexprs.values()), tuple(dynamic),
-               tuple(static))
-    # The grid too: a persistent grid's size is the device's SM count, which a problem key does not hold.
-    key = (kernel, device, key, grid)
+        key = (signature(*dynamic.values()), tuple(s.static.values()), tuple(s.constexprs.values()), s.grid,
+               tuple(dynamic), tuple(s.static))
+    key = (kernel, device, key)
     uncached = _uncached()
     entry = _CACHE.get(key) if not uncached else None
     if entry is not None:
         d = entry.pick(dynamic)
         if env.INTERPRET or env.debug_checks():
-            _check(kernel, entry, d, tuple(static[n] for n in entry.static_names), constexprs, tuple(grid))
+            s = s or statics()
+            _check(kernel, entry, d, tuple(s.static[n] for n in entry.static_names), s.constexprs, tuple(s.grid))
         _launch_cached(kernel, device, entry, d)
         return
-    d, st = _order(kernel, dynamic, static, constexprs)
+    s = s or statics()
+    d, st = _order(kernel, dynamic, s.static, s.constexprs)
     options = {"num_warps": num_warps}
-    compiled = kernel[grid](*d, *st, **constexprs, **options)
+    compiled = kernel[s.grid](*d, *st, **s.constexprs, **options)
     if uncached:
         return
-    _remember(key, kernel, None if env.INTERPRET else compiled, tuple(grid), d, st, constexprs, constexprs, options)
+    _remember(key, kernel, None if env.INTERPRET else compiled, tuple(s.grid), d, st, s.constexprs, s.constexprs,
+              options)
 
 
 def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_args: tuple, constexprs: dict,

@@ -19,7 +19,7 @@ from ..kernels.schedule import MAX_SORT, _plan_kernel
 from ..kernels.seqlen import MAX_STEP
 from .common import cdiv, next_power_of_2
 from .device import graph_capturing, stream_handle
-from .launch import launch_named
+from .launch import StaticByName, launch_named
 
 
 def schedule_step(batch: int, varlen: bool) -> int:
@@ -91,14 +91,17 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
                 next(written) if lists and last_first else None, next(written) if lists and first_first else None,
                 counters.view(4, 4) if lists else None)
     if batch + lists > 0:
-        launch_named(_plan_kernel, (batch + lists, 1, 1),
+        launch_named(_plan_kernel,
                      dict(CU_TILED=cu_tiled, SEQUSED_TILED=seqused_tiled, CU_COST=cu_cost, SEQUSED_COST=seqused_cost,
                           SCHEDULE=plan.schedule, LAST_FIRST_LIST=plan.last_first,
                           FIRST_FIRST_LIST=plan.first_first, COUNTERS=plan.counters),
-                     dict(batch=batch, bound_tiled=bound_tiled, bound_cost=bound_cost, entries=entries),
-                     dict(BLOCK_B=min(MAX_SORT, next_power_of_2(max(batch, 1))), BLOCK=plan.block,
-                          HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
-                          COST_PACKED=cost_packed), num_warps=4)
+                     lambda: StaticByName((batch + lists, 1, 1),
+                                     dict(batch=batch, bound_tiled=bound_tiled, bound_cost=bound_cost,
+                                          entries=entries),
+                                     dict(BLOCK_B=min(MAX_SORT, next_power_of_2(max(batch, 1))), BLOCK=plan.block,
+                                          HAS_SEQUSED_TILED=seqused_tiled is not None,
+                                          HAS_SEQUSED_COST=seqused_cost is not None, COST_PACKED=cost_packed)),
+                     num_warps=4)
     return plan
 
 
