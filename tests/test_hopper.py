@@ -198,3 +198,44 @@ def test_fallback_is_logged_once_per_reason(fake_sm90, monkeypatch, caplog):
         hopper.log_fallback(CUDA, torch.bfloat16, 64)
     messages = [r.getMessage() for r in caplog.records if r.name == "flashtile"]
     assert len(messages) == 2 and "softcap" in messages[0] and "head dim 64" in messages[1]
+
+
+@pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
+def test_the_problem_key_determines_each_gluon_launch(monkeypatch):
+    """The Gluon launchers key the launch cache by the call's OpProblem key (and the SM count), not by their
+    arguments, and build their static part only on a miss (Note [launch cache]). The launch path as on an sm_90
+    GPU, with CPU tensors and no kernel run (Triton's launch and the compiled launcher stubbed), and
+    FLASHTILE_CHECK=1, under which every cache hit re-derives the static part and the specialisation and raises if
+    either differs: over dense and varlen shapes, GQA, masks and a backward, every Gluon kernel hits and checks."""
+    from triton.runtime.jit import JITFunction
+    from flashtile.ops import device as device_module, triton_internals
+
+    target = lambda: ((9, 0), 132)  # noqa: E731
+    monkeypatch.setattr(env, "INTERPRET", False)
+    monkeypatch.setenv("FLASHTILE_CHECK", "1")
+    monkeypatch.setattr(launch_module, "capture_target", target)
+    monkeypatch.setattr(device_module, "capture_target", target)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, **kwargs: object())  # a compiled kernel, to keep
+    monkeypatch.setattr(triton_internals, "launch_compiled", lambda *args: None)
+    monkeypatch.setattr(launch_module, "_CACHE", {})
+    checked = []
+    check = launch_module._check
+    monkeypatch.setattr(launch_module, "_check", lambda kernel, *rest: (checked.append(kernel.__name__),
+                                                                         check(kernel, *rest)))
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, 128, generator=g).to(torch.bfloat16).requires_grad_()
+
+    for batch, seqlen, heads, heads_kv, causal in [(2, 256, 4, 4, False), (1, 17, 4, 2, True), (3, 300, 4, 1, True)]:
+        q, k, v = leaf(batch, seqlen, heads), leaf(batch, seqlen, heads_kv), leaf(batch, seqlen, heads_kv)
+        for _ in range(2):
+            flashtile.flash_attn_func(q, k, v, causal=causal).sum().backward()
+    cu = torch.tensor([0, 100, 137, 393], dtype=torch.int32)
+    q, k, v = leaf(393, 4), leaf(393, 2), leaf(393, 2)
+    for _ in range(2):
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 256, 256, causal=True).sum().backward()
+    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "gluon-sm90", "bwd_dkdv": "gluon-sm90"}
+    for kernel in ("_hopper_fwd_kernel", "_hopper_dq_kernel", "_hopper_dkdv_kernel"):
+        assert checked.count(kernel) == 4, checked  # the second call of each of the four problems hit

@@ -70,6 +70,9 @@ class _Entry(NamedTuple):
     dynamic_names: tuple  # the kernel's first parameters, the dynamic ones (launch_named takes them by name)
     static_names: tuple
     pick: Callable[[dict], tuple]  # launch_named's dynamic values in dynamic_names' order
+    # Keys hold the kernel's id (a JITFunction hashes its source's dependencies in Python, which the interpreter's
+    # Gluon kernels cannot); the entry holds the kernel, so that no other object takes that id while it is cached.
+    kernel: object
 
 
 _CACHE: dict[tuple, _Entry] = {}
@@ -261,7 +264,7 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
         return
     if key is not None and not _uncached():
         device = torch.cuda.current_device() if not env.INTERPRET else -1
-        full_key = (kernel, device, key)
+        full_key = (id(kernel), device, key)
         entry = _CACHE.get(full_key)
         if entry is not None:
             if env.INTERPRET or env.debug_checks():
@@ -333,7 +336,7 @@ def launch_named(kernel, dynamic: dict, statics: Callable[[], StaticByName], num
         # Name order is the launcher's own, fixed per call site: the values' order matches from call to call.
         key = (signature(*dynamic.values()), tuple(s.static.values()), tuple(s.constexprs.values()), s.grid,
                tuple(dynamic), tuple(s.static))
-    key = (kernel, device, key)
+    key = (id(kernel), device, key)
     uncached = _uncached()
     entry = _CACHE.get(key) if not uncached else None
     if entry is not None:
@@ -365,7 +368,7 @@ def _remember(full_key, kernel, compiled, grid: tuple, dynamic: tuple, static_ar
                               checked_constexprs, triton_internals.specialisation(dynamic),
                               tuple(kernel.arg_names[:n_dynamic]),
                               tuple(kernel.arg_names[n_dynamic:n_dynamic + n_static]),
-                              _picker(kernel.arg_names[:n_dynamic]))
+                              _picker(kernel.arg_names[:n_dynamic]), kernel)
 
 
 def _picker(names) -> Callable[[dict], tuple]:
