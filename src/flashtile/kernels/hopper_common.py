@@ -291,7 +291,7 @@ def work_item(w, heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, total_q, total_k, ROW
 # an allocation on the host's path) but left at 0 by the launch that used it. Every program takes items until it
 # draws one past the last, so a launch of G programs over n items draws exactly n + G numbers, and the program
 # that draws n + G - 1 makes the counter's last atomic: it stores 0 there, for the next launch on the stream
-# (ops/schedule.work_counter keeps one counter per kernel, device and stream; a launch under CUDA-graph capture
+# (ops/schedule.dense_counter keeps one counter per kernel, device and stream; a launch under CUDA-graph capture
 # takes a zeroed counter of its own).
 @gluon.jit
 def take_item(COUNTER, n_items, RESET: gl.constexpr):

@@ -210,8 +210,8 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
                           wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
                           stride_oh=out.stride(1), n_items=n_items, heads=nheads)
         return StaticByName(_persistent_grid(n_items, programs), static,
-                       dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
-                            HAS_SINK=learnable_sink is not None))
+                            dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
+                                 HAS_SINK=learnable_sink is not None))
 
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
                    O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
@@ -249,7 +249,7 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
                           wr=window_right, chunk=attention_chunk, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1),
                           n_items=n_items, heads=nheads)
         return StaticByName(_persistent_grid(n_items, programs), static,
-                       _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
+                            _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
 
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
                    DO=_desc(dout, cfg.block_m), DQ=_desc(dq, cfg.block_m), DQ_PTR=dq if varlen else None, OUT=out,
@@ -287,7 +287,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                           stride_dkh=dk.stride(1), stride_dvm=dv.stride(0), stride_dvh=dv.stride(1),
                           n_items=n_items, heads=nheads_kv)
         return StaticByName(_persistent_grid(n_items, programs), static,
-                       _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
+                            _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
 
     dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
                    DO=_desc(dout, cfg.block_m), DK=_desc(dk, cfg.block_n), DV=_desc(dv, cfg.block_n),

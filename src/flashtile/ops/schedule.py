@@ -95,12 +95,12 @@ def varlen_plan(cu_tiled: torch.Tensor, seqused_tiled, bound_tiled: int, cu_cost
                      dict(CU_TILED=cu_tiled, SEQUSED_TILED=seqused_tiled, CU_COST=cu_cost, SEQUSED_COST=seqused_cost,
                           SCHEDULE=plan.schedule, LAST_FIRST_LIST=plan.last_first,
                           FIRST_FIRST_LIST=plan.first_first, COUNTERS=plan.counters),
-                     lambda: StaticByName((batch + lists, 1, 1),
-                                     dict(batch=batch, bound_tiled=bound_tiled, bound_cost=bound_cost,
-                                          entries=entries),
-                                     dict(BLOCK_B=min(MAX_SORT, next_power_of_2(max(batch, 1))), BLOCK=plan.block,
-                                          HAS_SEQUSED_TILED=seqused_tiled is not None,
-                                          HAS_SEQUSED_COST=seqused_cost is not None, COST_PACKED=cost_packed)),
+                     lambda: StaticByName(
+                         (batch + lists, 1, 1),
+                         dict(batch=batch, bound_tiled=bound_tiled, bound_cost=bound_cost, entries=entries),
+                         dict(BLOCK_B=min(MAX_SORT, next_power_of_2(max(batch, 1))), BLOCK=plan.block,
+                              HAS_SEQUSED_TILED=seqused_tiled is not None, HAS_SEQUSED_COST=seqused_cost is not None,
+                              COST_PACKED=cost_packed)),
                      num_warps=4)
     return plan
 
