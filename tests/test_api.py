@@ -321,3 +321,22 @@ def test_autotune_flag_under_the_interpreter(device, monkeypatch):
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
     monkeypatch.setattr(launch, "_autotuned", no_tuner)
     assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=True), expected)
+
+
+@pytest.mark.parametrize("mapping", [True, False], ids=["environ mapping", "os.environ.get"])
+def test_flags_follow_the_environment_at_every_read(monkeypatch, mapping):
+    """env.py reads its flags on every call, through CPython's environ mapping where it has one, parsing each
+    distinct value once: a variable set, changed or removed mid-process is seen at the next read."""
+    from flashtile import env
+    if not mapping:
+        monkeypatch.setattr(env, "_ENVIRON", None)
+    for name in ("FLASHTILE_HOPPER", "FLASHTILE_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.hopper() and not env.debug_checks()  # the defaults
+    for value, on in (("0", False), (" Off ", False), ("no", False), ("", False), ("1", True), ("Yes", True)):
+        monkeypatch.setenv("FLASHTILE_HOPPER", value)
+        monkeypatch.setenv("FLASHTILE_CHECK", value)
+        assert (env.hopper(), env.debug_checks()) == (on, on), value
+    monkeypatch.delenv("FLASHTILE_HOPPER")
+    monkeypatch.delenv("FLASHTILE_CHECK")
+    assert env.hopper() and not env.debug_checks()

@@ -20,8 +20,30 @@
 import os
 
 
+# Flags are read on every call, so that a test or a session may set them at any time. os.environ.get costs over a
+# microsecond for a variable that is not set (it raises and catches KeyError inside), several per call: read
+# CPython's os._Environ mapping directly where it has one, and parse each distinct value once.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENCODED: dict[str, object] = {}
+_PARSED: dict[object, bool] = {}
+
+
+def _raw(name: str):
+    if _ENVIRON is None:
+        return os.environ.get(name)
+    key = _ENCODED.get(name)
+    if key is None:
+        key = _ENCODED[name] = os.environ.encodekey(name)
+    return _ENVIRON.get(key)
+
+
 def _flag(name: str, default: str = "0") -> bool:
-    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
+    raw = _raw(name)
+    parsed = _PARSED.get((raw, default))
+    if parsed is None:
+        value = default if raw is None else os.environ.decodevalue(raw) if _ENVIRON is not None else raw
+        parsed = _PARSED[(raw, default)] = value.strip().lower() not in ("", "0", "false", "no", "off")
+    return parsed
 
 
 INTERPRET: bool = _flag("TRITON_INTERPRET")

@@ -35,6 +35,7 @@ def custom_op(name: str, mutates_args=()):
 # Python; this private predicate is the only way to tell them apart, and without it vmap would reach a kernel.
 _functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (type(None), int, float, bool, str)
 
 
 def untraced(args) -> bool:
@@ -44,7 +45,11 @@ def untraced(args) -> bool:
     if torch.compiler.is_compiling():  # first: dynamo need not trace the checks below
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or _functorch_wrapped(a)):
+        kind = type(a)  # by exact type first: most arguments are None, ints and floats
+        if kind in _PLAIN:
+            if _functorch_wrapped(a):
+                return False
+        elif kind not in _SCALARS and isinstance(a, torch.Tensor):
             return False
     return True
 

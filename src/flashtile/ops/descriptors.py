@@ -57,8 +57,8 @@ def host_desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     box = [rows, 1, block_d(shape[-1])]
     # Without the dataclass's checks where Triton allows (triton_internals.descriptor): they repeat what tma_ready
     # and the tile table guarantee.
-    return descriptor(TensorDescriptor, base=t, shape=shape, strides=strides,
-                      block_shape=[1, *box] if len(shape) == 4 else box, padding="zero")
+    return descriptor(TensorDescriptor, t, dict(shape=shape, strides=strides,
+                                                block_shape=[1, *box] if len(shape) == 4 else box, padding="zero"))
 
 
 def descriptor_blocks(boxes: dict):

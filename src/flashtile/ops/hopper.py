@@ -140,7 +140,7 @@ def _layout(box: tuple, dtype: torch.dtype):
 def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
     # Without the dataclass's checks where Triton allows, as descriptors.host_desc.
-    return descriptor(TensorDescriptor, base=t, **_desc_fields(t.shape, t.stride(), t.dtype, rows))
+    return descriptor(TensorDescriptor, t, _desc_fields(t.shape, t.stride(), t.dtype, rows))
 
 
 @functools.lru_cache(maxsize=1024)

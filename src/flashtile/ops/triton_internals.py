@@ -108,11 +108,13 @@ def launch_compiled(compiled, grid: tuple, device: int, args: tuple) -> None:
                  None, None, *args)
 
 
-def descriptor(cls, **fields):
-    """A TensorDescriptor of class `cls` with these fields: built without the dataclass's checks when FAST, by its
-    constructor (which checks them) otherwise."""
+def descriptor(cls, base, fields: dict):
+    """A TensorDescriptor of class `cls` over `base` with these other fields: built without the dataclass's checks
+    when FAST, by its constructor (which checks them) otherwise."""
     if not FAST:
-        return cls(**fields)
+        return cls(base=base, **fields)
     desc = cls.__new__(cls)
-    desc.__dict__.update(fields)
+    attributes = desc.__dict__
+    attributes.update(fields)
+    attributes["base"] = base
     return desc
