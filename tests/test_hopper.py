@@ -239,3 +239,21 @@ def test_the_problem_key_determines_each_gluon_launch(monkeypatch):
     assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "gluon-sm90", "bwd_dkdv": "gluon-sm90"}
     for kernel in ("_hopper_fwd_kernel", "_hopper_dq_kernel", "_hopper_dkdv_kernel"):
         assert checked.count(kernel) == 4, checked  # the second call of each of the four problems hit
+
+
+def test_descriptor_fields_under_a_launch_key_are_checked(monkeypatch):
+    """The Gluon launchers find their descriptors' fields by the launch key (hopper._descs); with
+    FLASHTILE_CHECK=1 a hit whose tensors are laid out otherwise than the key's first ones raises."""
+    monkeypatch.delenv("FLASHTILE_CHECK", raising=False)
+    monkeypatch.setattr(hopper, "_DESC_FIELDS", {})
+    a = torch.empty(2, 64, 4, 128, dtype=torch.bfloat16)
+    b = torch.empty(2, 64, 8, 128, dtype=torch.bfloat16)[:, :, :4]  # a's shape, other strides
+    key = ("a problem",)
+    (first,) = hopper._descs(key, (a, 64))
+    (hit,) = hopper._descs(key, (b, 64))
+    assert hit.base is b and hit.strides == first.strides == list(a.stride())  # the key's fields, unchecked
+    assert hopper._descs(None, (b, 64))[0].strides == list(b.stride())
+    monkeypatch.setenv("FLASHTILE_CHECK", "1")
+    assert hopper._descs(key, (a, 64))[0].base is a
+    with pytest.raises(AssertionError, match="does not determine the descriptors"):
+        hopper._descs(key, (b, 64))

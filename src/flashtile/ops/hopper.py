@@ -37,7 +37,7 @@ from ..problem import kernel_flags
 from .descriptors import kernel_strides_of
 from .device import capability, on_gpu, sm_count
 from .schedule import Plan, dense_counter
-from .launch import StaticByName, launch_named
+from .launch import MAX_CACHED, StaticByName, launch_named
 from .triton_internals import descriptor
 
 try:
@@ -137,15 +137,33 @@ def _layout(box: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), getattr(gl, _GL_DTYPES[dtype]))
 
 
-def _desc(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-    """A descriptor over (B, S, H, D) or a packed (total, H, D) whose box is one head's (rows, D) tile."""
-    # Without the dataclass's checks where Triton allows, as descriptors.host_desc.
-    return descriptor(TensorDescriptor, t, _desc_fields(t.shape, t.stride(), t.dtype, rows))
+# Descriptor fields by launch key (_descs).
+_DESC_FIELDS: dict[tuple, tuple[dict, ...]] = {}
+
+
+def _descs(key: Optional[tuple], *boxes: tuple[torch.Tensor, int]) -> tuple:
+    """A descriptor over each (tensor, rows) in `boxes`, a (B, S, H, D) or packed (total, H, D) tensor, whose box
+    is one head's (rows, D) tile; built without the dataclass's checks where Triton allows, as
+    descriptors.host_desc. A launch key (the problem's key with the SM count and the kernel) determines every
+    tensor's layout (the problem's tensors by their signatures; outputs and gradients are fresh allocations whose
+    layouts those fix), so with one the fields take one lookup per launch rather than one per tensor, several
+    microseconds of a short call's host time. FLASHTILE_CHECK=1 checks each hit against the tensors."""
+    fields = None if key is None else _DESC_FIELDS.get(key)
+    if fields is None or env.debug_checks():
+        derived = tuple(_desc_fields(t.shape, t.stride(), t.dtype, rows) for t, rows in boxes)
+        if fields is not None and fields != derived:
+            raise AssertionError(f"the launch key does not determine the descriptors: cached {fields}, now {derived}")
+        fields = derived
+        if key is not None:
+            if len(_DESC_FIELDS) >= MAX_CACHED:
+                del _DESC_FIELDS[next(iter(_DESC_FIELDS))]
+            _DESC_FIELDS[key] = fields
+    return tuple(descriptor(TensorDescriptor, t, f) for (t, _), f in zip(boxes, fields))
 
 
 @functools.lru_cache(maxsize=1024)
 def _desc_fields(shape: torch.Size, stride: tuple, dtype: torch.dtype, rows: int) -> dict:
-    """_desc's fields but the tensor, per layout (a model has a few; Triton's launcher only reads them)."""
+    """A descriptor's fields but the tensor, per layout (a model has a few; Triton's launcher only reads them)."""
     box = (*(1,) * (len(shape) - 3), rows, 1, shape[-1])
     return dict(shape=list(shape), strides=kernel_strides_of(shape, stride), block_shape=list(box),
                 layout=_layout(box, dtype), padding="zero")
@@ -213,11 +231,12 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
                             dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
                                  HAS_SINK=learnable_sink is not None))
 
-    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   O=_desc(out, cfg.block_m), O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
+    key = None if key is None else (key, programs, 0)
+    Q, K, V, O = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))
+    dynamic = dict(Q=Q, K=K, V=V, O=O, O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[0] if varlen else dense_counter(q.device, 0), qk_scale=qk_scale)
-    launch_named(_hopper_fwd_kernel, dynamic, statics, num_warps=4, key=None if key is None else (key, programs))
+    launch_named(_hopper_fwd_kernel, dynamic, statics, num_warps=4, key=key)
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
@@ -251,12 +270,14 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
         return StaticByName(_persistent_grid(n_items, programs), static,
                             _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
 
-    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   DO=_desc(dout, cfg.block_m), DQ=_desc(dq, cfg.block_m), DQ_PTR=dq if varlen else None, OUT=out,
-                   LSE=lse, DELTA=delta, TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
-                   CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[2] if varlen else dense_counter(q.device, 2),
-                   qk_scale=qk_scale, softmax_scale=softmax_scale)
-    launch_named(_hopper_dq_kernel, dynamic, statics, num_warps=4, key=None if key is None else (key, programs))
+    key = None if key is None else (key, programs, 2)
+    Q, K, V, DO, DQ = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+                             (dq, cfg.block_m))
+    dynamic = dict(Q=Q, K=K, V=V, DO=DO, DQ=DQ, DQ_PTR=dq if varlen else None, OUT=out, LSE=lse, DELTA=delta,
+                   TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
+                   COUNTER=plan.counters[2] if varlen else dense_counter(q.device, 2), qk_scale=qk_scale,
+                   softmax_scale=softmax_scale)
+    launch_named(_hopper_dq_kernel, dynamic, statics, num_warps=4, key=key)
 
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
@@ -289,10 +310,11 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
         return StaticByName(_persistent_grid(n_items, programs), static,
                             _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
 
-    dynamic = dict(Q=_desc(q, cfg.block_m), K=_desc(k, cfg.block_n), V=_desc(v, cfg.block_n),
-                   DO=_desc(dout, cfg.block_m), DK=_desc(dk, cfg.block_n), DV=_desc(dv, cfg.block_n),
-                   DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None, LSE=lse, DELTA=delta,
-                   TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
+    key = None if key is None else (key, programs, 1)
+    Q, K, V, DO, DK, DV = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+                                 (dk, cfg.block_n), (dv, cfg.block_n))
+    dynamic = dict(Q=Q, K=K, V=V, DO=DO, DK=DK, DV=DV, DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None,
+                   LSE=lse, DELTA=delta, TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else dense_counter(q.device, 1),
                    qk_scale=qk_scale, softmax_scale=softmax_scale)
-    launch_named(_hopper_dkdv_kernel, dynamic, statics, num_warps=4, key=None if key is None else (key, programs))
+    launch_named(_hopper_dkdv_kernel, dynamic, statics, num_warps=4, key=key)
