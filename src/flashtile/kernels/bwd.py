@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .dropout import dropout_state, keep_mask
+from .dropout import dropout_state, keep_mask, mask_factor
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
 from .seqlen import DESC_PACKED, DESC_ROW, load_once, load_rows, row_desc, seq_info, store_once, tile_coords
 
@@ -82,7 +82,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them.
+    # The tile is computed transposed, (keys x queries), so dK and dV accumulate without transposing them; with
+    # dropout it is not (below).
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         q = q_desc.load([start_m, 0])
@@ -93,25 +94,38 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
         rows = start_m + offs_m
         lse2 = tl.load(LSE_H + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
         delta = tl.load(DELTA_H + rows, mask=rows < seqlen_q, other=0.0)
-        i = rows[None, :]
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        s2T, tT = logits(qkT, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
-        if MASKED:
-            s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False, chunk, MASK_CHUNK)
-        pT = tl.math.exp2(s2T - lse2[None, :])
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dP = Z ∘ (dO Vᵀ); delta =
-            # rowsum(dO ∘ O) is unchanged (Note [dropout mask] in dropout.py).
-            keepT = tl.trans(keep_mask(seed, stream, bh, rows[:, None], n_start, threshold, BLOCK_M, j.shape[0]))
-            dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dP = Z ∘ (dO Vᵀ); delta = rowsum(dO ∘ O)
+            # is unchanged. The tile is computed as the forward holds it, queries x keys, so that the mask is
+            # drawn in the registers where P sits (Note [dropout mask] in dropout.py); P ∘ Z and dS are transposed
+            # on their way into the dV and dK products instead, where the transposed tile below would transpose
+            # the mask (docs/perf.md).
+            i = rows[:, None]
+            jk = tl.trans(j)
+            s2, t = logits(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), i, jk, diag, qk_scale, softcap2,
+                           slope2, HAS_SOFTCAP, HAS_ALIBI)
+            if MASKED:
+                s2 = apply_mask(s2, i, jk, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False, chunk, MASK_CHUNK)
+            p = tl.math.exp2(s2 - lse2[:, None])
+            z = mask_factor(keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M, jk.shape[1]), drop_scale)
+            dv = tl.dot(tl.trans((p * z).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * z - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
         else:
+            i = rows[None, :]
+            qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+            s2T, tT = logits(qkT, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+            if MASKED:
+                s2T = apply_mask(s2T, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False, chunk, MASK_CHUNK)
+            pT = tl.math.exp2(s2T - lse2[None, :])
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+            dsT = pT * (dpT - delta[None, :])
+            if HAS_SOFTCAP:
+                dsT = dsT * (1.0 - tT * tT)
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -231,8 +245,7 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as in _bwd_dkdv_inner
-            keep = keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
+            dp = dp * mask_factor(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), drop_scale)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)

@@ -14,7 +14,7 @@ rounds that pass BigCrush, with the round keys of Random123) keyed by the call's
 j = 64 * (c // 4) + 8 * g + 2 * (c % 4) + e of query i (g in [0, 8), e in [0, 2)), key (g, e) taking byte 2 * g + e
 of the call's words read little-endian in order: word g // 2, bits 8 * (2 * (g % 2) + e) up. The four calls
 4 * t + [0, 4) thus cover the 64-key unit t. So the mask depends on (seed, stream, b, h, i, j) alone, never on a
-kernel's tile shape or its orientation (the dK/dV kernel's tiles are keys x queries and transpose it): the forward,
+kernel's tile shape or its orientation (keys x queries, or queries x keys): the forward,
 both backward kernels and the testing kernel below regenerate the same bits. i and j count from the start of their
 sequence (varlen too). Tiles start at multiples of 64 keys, or of their width when narrower (config.py's d512 and
 fp32 rows have 32- and 16-key tiles, the interpreter 16 and 32): a narrow tile draws its whole unit and keeps its
@@ -27,8 +27,9 @@ accesses and barriers as without dropout. Eight consecutive keys per call (the f
 four threads and cost a round trip through shared memory per tile, which made the mask slower than the Q Kᵀ
 product it masks (docs/perf.md). Why 8 bits: with 16-bit numbers, eight a call, Philox's integer work alone was
 about as large as the Q Kᵀ product's (tools/mask_bench.py), and dropout about doubled the time of a forward and
-backward on an H200; sixteen a call halve it. The dK/dV kernel's transposed tile holds two keys of a query per
-thread, and still converts the mask's layout.
+backward on an H200; sixteen a call halve it. The dK/dV kernel, whose tile is otherwise keys x queries (two keys
+of a query per thread), computes it queries x keys with dropout, so that it too draws the mask where P sits and
+transposes P ∘ Z and dS into its products instead: transposing the mask cost more (kernels/bwd.py).
 
 `dropout_probs_kernel` writes S_dmask for `return_attn_probs=True` (testing only, one slow pass): the
 probabilities exp(s - lse) of every visible entry, negated where dropped; see ops/dropout.py for the layout.
@@ -85,6 +86,16 @@ def keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M: tl.constexpr, BL
         part = (tl.arange(0, 64 // BLOCK_N) == (n_start % 64) // BLOCK_N)[None, :, None]
         u = tl.sum(tl.where(part, unit, 0), axis=1)
     return u.to(tl.int32) >= threshold
+
+
+@triton.jit
+def mask_factor(keep, scale):
+    """The dropout mask as a factor: `scale` where keep, else 0 (fp32). Kernels multiply by it rather than select
+    with tl.where(keep, x, 0): LLVM moves a select ahead of a conversion to 16 bits past it, and on sm_90 the
+    select of the converted values splits each packed pair, selects a half and repacks it, about three ALU
+    instructions an entry where the product is one FMUL (the d64 forward's loop, per 32 entries: 56 PRMT and
+    32 SEL became 16 PRMT, 32 FSEL and 32 FMUL; docs/perf.md)."""
+    return tl.where(keep, scale, 0.0)
 
 
 @triton.jit

@@ -40,7 +40,7 @@ would no longer fit on sm_90).
 import triton
 import triton.language as tl
 
-from .dropout import dropout_state, keep_mask
+from .dropout import dropout_state, keep_mask, mask_factor
 from .kvcache import cache_coords
 from .masking import LOG2E, apply_mask, kv_block_range, logits
 from .seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW, load_rows, row_desc, seq_info, store_rows, tile_coords
@@ -110,7 +110,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
             s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
         if HAS_DROPOUT:
-            p = tl.where(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), p, 0.0)
+            p = p * mask_factor(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), 1.0)
         v = _load_kv(v_src, k_start, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, dv,
                      PAGED, DESC, MASKED, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
         if MASKED and DESC == DESC_PACKED:
