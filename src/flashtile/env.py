@@ -20,7 +20,7 @@
 import os
 
 
-# Flags are read on every call, so that a test or a session may set them at any time. os.environ.get costs over a
+# Flags are read on every call, so that a test or a user may set them at any time. os.environ.get costs over a
 # microsecond for a variable that is not set (it raises and catches KeyError inside), several per call: read
 # CPython's os._Environ mapping directly where it has one, and parse each distinct value once.
 _ENVIRON = getattr(os.environ, "_data", None)
