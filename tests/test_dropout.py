@@ -289,3 +289,32 @@ def test_each_cuda_graph_replay_draws_a_new_mask(device):
     plain = flashtile.flash_attn_func(q, k, v)
     for o in outs:  # dropout noise around the undropped output, no NaN
         assert torch.isfinite(o).all() and (o.float() - plain.float()).abs().mean() < 0.5
+
+
+def test_dropout_tiles_reach_every_launch(monkeypatch):
+    """config.DROPOUT's tiles are the ones a call with dropout launches, forward, dQ and dK/dV alike, with the host
+    descriptor boxes and the varlen tile list that go with them (ops/fwd.py, ops/bwd.py, schedule.list_blocks).
+    The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    from flashtile import env
+    from flashtile.config import DROPOUT, TileConfig
+    from flashtile.ops.launch import capture_launches
+
+    monkeypatch.setattr(env, "INTERPRET", False)  # the GPU's tile table, not the interpreter's tiles
+    tiles = {"fwd": (128, 32), "bwd_dq": (128, 16), "bwd_dkdv": (32, 64)}
+    for kernel, (m, n) in tiles.items():
+        monkeypatch.setitem(DROPOUT, kernel, {64: TileConfig(m, n, 8, 2, "test")})
+    q, k, v = (torch.randn(300, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+    with capture_launches() as launches:
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, dropout_p=0.2)
+        out.backward(torch.randn_like(out))
+    by_kernel = {launch.kernel.__name__: launch for launch in launches}
+    for name, kernel in (("_attn_fwd_kernel", "fwd"), ("_bwd_dq_kernel", "bwd_dq"), ("_bwd_dkdv_kernel", "bwd_dkdv")):
+        kwargs = by_kernel[name].kwargs
+        assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (*tiles[kernel], 8), name
+    boxes = [list(a.block_shape) for a in by_kernel["_attn_fwd_kernel"].args if hasattr(a, "block_shape")]
+    assert boxes[:3] == [[128, 1, 64], [32, 1, 64], [32, 1, 64]]  # Q, K, V of the packed batch
+    boxes = [list(a.block_shape) for a in by_kernel["_bwd_dq_kernel"].args if hasattr(a, "block_shape")]
+    assert boxes == [[16, 1, 64], [16, 1, 64]]  # the dQ kernel streams K and V
+    assert by_kernel["_bwd_dq_kernel"].kwargs["LISTED"]
+    assert any(launch.kwargs.get("BLOCK") == 128 for launch in launches if launch.kernel.__name__ == "_plan_kernel")
