@@ -39,6 +39,9 @@ _DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bu
 
 _D512 = ("d512 (Gemma 4): a tile that fits sm_90's shared memory without spilling much (tests/sm90_compile.py; "
          "the backward's 32-row tiles run mma.sync, not wgmma), not timed")
+_D512_FWD = ("measured on H200, 2026-12-03, triton 3.6: forward TFLOP/s at S = 4k / 16k, non-causal and causal, "
+             "237 / 215 / 233 / 252 against (64, 32, 8, 2)'s 202 / 185 / 203 / 211; (64, 16, 8, 3) 127-147, "
+             "(128, 32, 8, 1) 49-61; (64, 32, 8, 3) does not fit shared memory")
 _MLA = "q/k 576, v 512: a tile that fits sm_90's shared memory (tests/sm90_compile.py), not timed"
 # kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
 TABLE: dict[str, dict[int, TileConfig]] = {
@@ -48,7 +51,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(64, 64, 4, 3, _FWD_D64_S4),
         128: TileConfig(64, 64, 4, 3, _H200),
         256: TileConfig(64, 64, 4, 3, _H200),
-        512: TileConfig(64, 32, 8, 2, _D512),
+        512: TileConfig(64, 64, 8, 1, _D512_FWD),
     },
     "bwd_dkdv": {
         16: TileConfig(32, 128, 4, 3, _SMALL_D),
@@ -79,12 +82,12 @@ FP32: dict[str, dict[int, TileConfig]] = {
     "bwd_dq": {128: TileConfig(64, 64, 4, 2, _FP32), 256: TileConfig(32, 32, 4, 2, _FP32),
                512: TileConfig(32, 16, 8, 1, _FP32)},
 }
-_DROPOUT_D64 = ("measured on H200, 2026-12-02, triton 3.6, p = 0.1 (tools/kernel_times.py): dK/dV kernel µs at "
-                "S = 1k / 4k, non-causal and causal, 1366 / 4917 / 826 / 2536 against the table's (32, 128, 4, 3) "
-                "1342 / 4888 / 1100 / 3585; (32, 64, 4, 3) 1306 / 4720 / 942 / 3073, (32, 128, 8, 3) 1542 / "
-                "5529 / 1083 / 3363. Without dropout the table's tile is the fastest of these")
-# kernel -> padded head dim -> config with dropout where the mask changes which tile is fastest (the dK/dV kernel's
-# tile is keys x queries, so the mask, drawn per query row, changes layout in it: Note [dropout mask]).
+_DROPOUT_D64 = ("measured on H200, 2026-12-03, triton 3.6, p = 0.1 (the dK/dV tile queries x keys with dropout, "
+                "kernels/bwd.py): dK/dV kernel µs at S = 4k, non-causal / causal, 2943 / 1614 against (32, 128, 4, "
+                "3) 6522 / 3799, (64, 128, 8, 2) 8763 / 5879, (128, 64, 8, 2) 5628 / 3506. Forward and dQ tiles "
+                "with 8 warps were slower than the table's too (docs/perf.md)")
+# kernel -> padded head dim -> config with dropout where the mask changes which tile is fastest: the dK/dV kernel's
+# tile turns queries x keys with dropout (Note [dropout mask]), so the table's, sized for keys x queries, is not.
 DROPOUT: dict[str, dict[int, TileConfig]] = {
     "bwd_dkdv": {64: TileConfig(64, 64, 4, 3, _DROPOUT_D64)},
 }
