@@ -94,7 +94,7 @@ def mask_factor(keep, scale):
     with tl.where(keep, x, 0): LLVM moves a select ahead of a conversion to 16 bits past it, and on sm_90 the
     select of the converted values splits each packed pair, selects a half and repacks it, about three ALU
     instructions an entry where the product is one FMUL (the d64 forward's loop, per 32 entries: 56 PRMT and
-    32 SEL became 16 PRMT, 32 FSEL and 32 FMUL; docs/perf.md)."""
+    32 SEL became 16 PRMT, 32 FSEL and 32 FMUL; docs/design/backward.md)."""
     return tl.where(keep, scale, 0.0)
 
 
