@@ -70,3 +70,12 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"{report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_problem_memo(monkeypatch):
+    """Each test starts with ops/call.py's problem memo empty: tests that patch what the dispatch reads (the
+    interpreter flag, a device's capability, tile tables) would otherwise meet problems remembered before."""
+    from flashtile.ops import call
+
+    monkeypatch.setattr(call, "_MEMO", {})

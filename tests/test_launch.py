@@ -189,7 +189,10 @@ def test_the_problem_key_covers_every_field(device):
                             seqused_k=None, alibi_slopes=None, block_table=None, learnable_sink=None, rng=None,
                             max_seqlen_q=40, max_seqlen_k=40, softmax_scale=0.125, window_right=0))
     tensors = OpProblem._fields[:OpProblem._fields.index("varlen")]
+    assert p.launch_key == p.key()
     for name, value in zip(OpProblem._fields, p):
+        if name == "launch_key":  # the key itself, which the launchers read
+            continue
         if name in ("softmax_scale", "softcap", "dropout_p"):
             base = p._replace(softcap=1.0, dropout_p=0.5)
             assert base._replace(**{name: getattr(base, name) + 0.5}).key() == base.key(), name
@@ -199,3 +202,46 @@ def test_the_problem_key_covers_every_field(device):
         assert p._replace(**{name: other}).key() != p.key(), name
     assert p._replace(softcap=1.0).key() != p.key()  # softcap on or off changes the kernel
     assert p._replace(dropout_p=0.1).key() != p.key()  # and so does dropout
+
+
+def _problem(q, k, v, **kw):
+    from flashtile.ops.call import op_problem
+
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                alibi_slopes=None, block_table=None, learnable_sink=None, rng=None, max_seqlen_q=40, max_seqlen_k=40,
+                softmax_scale=0.125, window_right=0)
+    return op_problem(*op_args(op_problem, **(args | kw)))
+
+
+def test_a_problem_like_one_seen_is_remembered(device, monkeypatch):
+    """ops/call.op_problem remembers a problem's decisions under its arguments' signatures (Note [problem memo]):
+    a call like one seen takes them with its own tensors and per-call floats; another layout, integer or
+    environment flag is another problem; a call whose tensors had to be copied is not remembered; and a
+    remembered problem that is not what op_problem derives is caught (checked at every hit here, under the
+    interpreter, or with FLASHTILE_CHECK=1)."""
+    from flashtile.ops import call
+
+    monkeypatch.setenv("FLASHTILE_CHECK", "1")
+    first = _problem(*_inputs(device, 7))
+    assert len(call._MEMO) == 1
+    q, k, v = _inputs(device, 8)
+    hit = _problem(q, k, v, softmax_scale=0.5, softcap=2.0)
+    assert len(call._MEMO) == 2  # softcap on: another kernel
+    again = _problem(q, k, v, softmax_scale=0.25, softcap=3.0)
+    assert len(call._MEMO) == 2
+    assert again.q is q and again.k is k and (again.softmax_scale, again.softcap) == (0.25, 3.0)
+    assert again.launch_key == hit.launch_key == again.key() != first.launch_key
+    _problem(q, k, v, window_left=7)
+    monkeypatch.setenv("FLASHTILE_HOPPER", "0")
+    _problem(q, k, v)
+    assert len(call._MEMO) == 4
+    # A view 2 bytes into its buffer: tma_ready copies it, and the copy's problem is not remembered.
+    odd = torch.randn(q.numel() + 1, device=device).to(q.dtype)[1:].view(q.shape)
+    assert _problem(odd, k, v).q is not odd
+    assert len(call._MEMO) == 4
+    key = list(call._MEMO)[-1]  # the last call's: FLASHTILE_HOPPER=0, the window the default
+    forged = list(call._MEMO[key][0])
+    forged[2] += 1  # the batch
+    call._MEMO[key] = (tuple(forged), *call._MEMO[key][1:])
+    with pytest.raises(AssertionError, match="problem memo"):
+        _problem(*_inputs(device, 9))

@@ -187,7 +187,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
 
     # `static` reads the problem only (the gradients and delta are fresh allocations whose layout the inputs'
     # shapes and the packing fix), so the problem's key is complete (Note [launch cache]).
-    key = p.key()
+    key = p.launch_key
     prepare_launch(q)
     if gluon:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,

@@ -120,7 +120,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if gluon:
         # Note [hopper path] in ops/hopper.py
         hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, plan,
-                   p.learnable_sink, p.attention_chunk, key=p.key())
+                   p.learnable_sink, p.attention_chunk, key=p.launch_key)
         record("fwd", HOPPER_PATH)
         return out, lse, plan
     record("fwd", TRITON)
@@ -164,7 +164,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     # `static` reads the problem only (out and lse are fresh allocations whose layout q's and v's shapes fix), so the
     # problem's key is complete (Note [launch cache]).
     prepare_launch(q)
-    launch(_attn_fwd_kernel, "fwd", p.tile_dim, q.dtype == torch.float32, p.key(),
+    launch(_attn_fwd_kernel, "fwd", p.tile_dim, q.dtype == torch.float32, p.launch_key,
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             None if plan is None else plan.schedule, block_table, p.rng, p.learnable_sink, qk_scale, softcap2,
             p.dropout_p),
