@@ -2,21 +2,30 @@
 The backward kernels are scored on the whole backward (dQ with delta, then dK/dV), so tune dK/dV first, then dQ.
 
 Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [--seqlen 4096]
-Feeds config.TABLE by hand: each entry there names the run it came from. Shapes follow the standard sweep
-(B*S = 16k tokens, hidden 2048), bf16, causal and not; the score is the geometric mean of TFLOPs over both.
+           [--head-dims 192 --head-dim-v 128 --heads 16]
+Feeds config.TABLE by hand (with --head-dim-v narrower than the head dim, config.NARROW_V: MLA prefill's 192/128):
+each entry there names the run it came from. Shapes follow the standard sweep (B*S = 16k tokens, hidden 2048
+unless --heads), bf16, causal and not; the score is the geometric mean of TFLOPs over both, FLOPs 2·B·H·S²·(d + d_v)
+for the forward (halved causal), 2.5x that for the backward.
 """
 
 import argparse
 import json
 import math
+import os
 
-import torch
-import triton
+# The launch cache keys a launch by its problem, not its tile (Note [launch cache] in ops/launch.py): with it, every
+# config after the first would run the first one's compiled kernel. Launching through Triton, each config compiles
+# and runs its own.
+os.environ["FLASHTILE_FAST_LAUNCH"] = "0"
 
-from flashtile import config
-from flashtile.ops.bwd import attention_bwd
-from flashtile.ops.fwd import attention_fwd
-from flashtile.testing import op_args
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from flashtile import config  # noqa: E402
+from flashtile.ops.bwd import attention_bwd  # noqa: E402
+from flashtile.ops.fwd import attention_fwd  # noqa: E402
+from flashtile.testing import op_args  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -28,18 +37,26 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--head-dim-v", type=int, help="v's head dim (default: each head dim's own)")
+    ap.add_argument("--heads", type=int, help="query heads (default: 2048 // head dim)")
     ap.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq")
     args = ap.parse_args()
     rows = []
     for d in map(int, args.head_dims.split(",")):
-        s, h = args.seqlen, 2048 // d
+        dv = args.head_dim_v or d
+        s, h = args.seqlen, args.heads or 2048 // d
         b = max(1, 16384 // s)
-        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        flops = 4 * b * h * s * s * d
+        q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        flops = 2 * b * h * s * s * (d + dv)
+        # The entry a call of these head dims reads (config.table_config): NARROW_V's where v is narrower.
+        narrow = config.block_d(dv) < config.block_d(max(d, dv))
+        table = config.NARROW_V if narrow else config.TABLE
+        entry = (config.block_d(d), config.block_d(dv)) if narrow else config.block_d(max(d, dv))
         for kernel in args.kernels.split(","):
             best = None
             for cfg in config.CANDIDATES[kernel]:
-                config.TABLE[kernel][d] = cfg
+                table[kernel][entry] = cfg
                 tf = []
                 try:
                     for causal in (False, True):
@@ -59,13 +76,14 @@ def main():
                     print(f"{kernel} d{d} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 score = math.sqrt(tf[0] * tf[1])
-                rows.append({"kernel": kernel, "head_dim": d, "seqlen": s, "config": [cfg.block_m, cfg.block_n,
-                             cfg.num_warps, cfg.num_stages], "tflops_noncausal": tf[0], "tflops_causal": tf[1]})
+                rows.append({"kernel": kernel, "head_dim": d, "head_dim_v": dv, "seqlen": s,
+                             "config": [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
+                             "tflops_noncausal": tf[0], "tflops_causal": tf[1]})
                 print(f"{kernel:9s} d{d:<3d} {cfg.block_m:3d}x{cfg.block_n:<3d} w{cfg.num_warps} s{cfg.num_stages}"
                       f"  {tf[0]:6.1f} / {tf[1]:6.1f} TFLOPs (non-causal / causal)", flush=True)
                 if best is None or score > best[0]:
                     best = (score, cfg)
-            config.TABLE[kernel][d] = best[1]  # so that dQ is tuned beside the best dK/dV
+            table[kernel][entry] = best[1]  # so that dQ is tuned beside the best dK/dV
             print(f"BEST {kernel} d{d}: {best[1]} ({best[0]:.1f} TFLOPs geo-mean)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
