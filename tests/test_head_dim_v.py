@@ -264,7 +264,8 @@ def test_fake_shapes_and_compile(device):
 
 def test_narrow_v_tiles_reach_every_launch(monkeypatch):
     """config.NARROW_V's tiles (MLA prefill: q/k 192 padded to 256 beside v 128) are the ones a 192/128 call
-    launches, forward, dQ and dK/dV alike, with the dQ kernel's varlen tile list; a d256 v keeps the table's. The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    launches, forward, dQ and dK/dV alike, with the dQ kernel's varlen tile list; a d256 v keeps the table's.
+    The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
     from flashtile import env
     from flashtile.config import NARROW_V, TABLE
     from flashtile.ops.launch import capture_launches

@@ -5,8 +5,8 @@ Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [-
            [--head-dims 192 --head-dim-v 128 --heads 16]
 Feeds config.TABLE by hand (with --head-dim-v narrower than the head dim, config.NARROW_V: MLA prefill's 192/128):
 each entry there names the run it came from. Shapes follow the standard sweep (B*S = 16k tokens, hidden 2048
-unless --heads), bf16, causal and not; the score is the geometric mean of TFLOPs over both, FLOPs 2·B·H·S²·(d + d_v)
-for the forward (halved causal), 2.5x that for the backward.
+unless --heads), bf16, causal and not; the score is the geometric mean of TFLOPs over both, FLOPs
+2·B·H·S²·(d + d_v) for the forward (halved causal), 2.5x that for the backward.
 """
 
 import argparse

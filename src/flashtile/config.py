@@ -93,9 +93,10 @@ DROPOUT: dict[str, dict[int, TileConfig]] = {
     "bwd_dkdv": {64: TileConfig(64, 64, 4, 3, _DROPOUT_D64)},
 }
 _MLA_FWD = ("measured on H200, 2026-12-03, triton 3.6 (q/k 192, v 128; b4 x 4k x h16 bf16, each kernel's tile tried "
-            "with the others at the d256 row's, out and grads checked against an fp32 reference): forward ms non-causal "
-            "/ causal 1.574 / 0.903 against the d256 row's (64, 64, 4, 3) 1.877 / 1.106; (128, 64, 8, 2) 1.854 / "
-            "1.109, (64, 128, 4, 2) 2.175 / 1.272, (128, 32, 8, 2) 1.944 / 1.684; (128, 128, 8, 2) does not fit")
+            "with the others at the d256 row's, out and grads checked against an fp32 reference): forward ms "
+            "non-causal / causal 1.574 / 0.903 against the d256 row's (64, 64, 4, 3) 1.877 / 1.106; (128, 64, 8, 2) "
+            "1.854 / 1.109, (64, 128, 4, 2) 2.175 / 1.272, (128, 32, 8, 2) 1.944 / 1.684; (128, 128, 8, 2) does not "
+            "fit")
 _MLA_DQ = ("measured as _MLA_FWD: backward ms 9.815 / 5.011 against the d256 row's (64, 64, 4, 2) 10.435 / 5.404; "
            "(128, 64, 8, 2) 9.912 / 4.997, (64, 32, 4, 2) 10.259 / 5.196, (64, 64, 8, 2) 12.327 / 6.368")
 _MLA_DKDV = ("measured as _MLA_FWD: backward ms 5.749 / 4.171 against the d256 row's (32, 64, 8, 2) 10.435 / 5.404; "

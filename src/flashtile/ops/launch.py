@@ -240,8 +240,9 @@ def _autotuned(kernel, name: str, pre_hook):
 def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, static: Callable[[], Static],
            pre_hook=None, pdl: bool = False, dropout: bool = False, head_dim_v: Optional[int] = None) -> None:
     """Launch `kernel(*dynamic, *static().args, **static().constexprs)` with the tile config of `name`
-    (config.py; `fp32`: for fp32 inputs, `dropout`: with dropout, `head_dim_v`: v's head dim) on static().grid(BLOCK_M, BLOCK_N), through
-    the launch cache (Note [launch cache]) when `key` is not None (it fixes the inputs' dtype).
+    (config.py; `fp32`: for fp32 inputs, `dropout`: with dropout, `head_dim_v`: v's head dim) on
+    static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note [launch cache]) when `key` is not None (it
+    fixes the inputs' dtype).
 
     With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
     class; Triton caches the choice on disk), and `pre_hook(arguments by name)` adapts the arguments to each
