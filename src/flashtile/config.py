@@ -99,16 +99,17 @@ _MLA_FWD = ("measured on H200, 2026-12-03, triton 3.6 (q/k 192, v 128; b4 x 4k x
             "fit")
 _MLA_DQ = ("measured as _MLA_FWD: backward ms 9.815 / 5.011 against the d256 row's (64, 64, 4, 2) 10.435 / 5.404; "
            "(128, 64, 8, 2) 9.912 / 4.997, (64, 32, 4, 2) 10.259 / 5.196, (64, 64, 8, 2) 12.327 / 6.368")
-_MLA_DKDV = ("measured as _MLA_FWD: backward ms 5.749 / 4.171 against the d256 row's (32, 64, 8, 2) 10.435 / 5.404; "
-             "(32, 128, 8, 2) 6.977 / 4.312, (64, 64, 8, 2) 7.674 / 4.342, (64, 32, 4, 2) 9.042 / 4.911, (64, 64, "
-             "4, 2) 9.797 / 5.399")
+_MLA_DKDV = ("measured as _MLA_FWD: backward ms 7.674 / 4.342 against the d256 row's (32, 64, 8, 2) 10.435 / 5.404; "
+             "(64, 32, 4, 2) 9.042 / 4.911, (64, 64, 4, 2) 9.797 / 5.399. Faster, but ptxas serialises their wgmma "
+             "(255 registers, 544-656 bytes spilled; tests/sm90_compile.py refuses it): (32, 64, 4, 2) 5.749 / "
+             "4.171, (32, 128, 8, 2) 6.977 / 4.312")
 # kernel -> (padded q/k head dim, padded v head dim) -> config where v is narrower than q/k (MLA prefill's 192/128,
 # whose q/k pad to 256): the d256 row's tiles are sized for a V, O, dO and dV 256 wide, and a 128-wide one leaves
 # registers and shared memory for others.
 NARROW_V: dict[str, dict[tuple[int, int], TileConfig]] = {
     "fwd": {(256, 128): TileConfig(128, 64, 8, 3, _MLA_FWD)},
     "bwd_dq": {(256, 128): TileConfig(64, 64, 4, 3, _MLA_DQ)},
-    "bwd_dkdv": {(256, 128): TileConfig(32, 64, 4, 2, _MLA_DKDV)},
+    "bwd_dkdv": {(256, 128): TileConfig(64, 64, 8, 2, _MLA_DKDV)},
 }
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
