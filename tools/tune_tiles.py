@@ -49,12 +49,11 @@ def main():
         q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         flops = 2 * b * h * s * s * (d + dv)
-        # The entry a call of these head dims reads (config.table_config).
-        table, entry = config.TABLE, config.block_d(max(d, dv))
+        entry = config.block_d(max(d, dv))  # the row a call of these head dims reads (config.table_config)
         for kernel in args.kernels.split(","):
             best = None
             for cfg in config.CANDIDATES[kernel]:
-                table[kernel][entry] = cfg
+                config.TABLE[kernel][entry] = cfg
                 tf = []
                 try:
                     for causal in (False, True):
@@ -81,7 +80,7 @@ def main():
                       f"  {tf[0]:6.1f} / {tf[1]:6.1f} TFLOPs (non-causal / causal)", flush=True)
                 if best is None or score > best[0]:
                     best = (score, cfg)
-            table[kernel][entry] = best[1]  # so that dQ is tuned beside the best dK/dV
+            config.TABLE[kernel][entry] = best[1]  # so that dQ is tuned beside the best dK/dV
             print(f"BEST {kernel} d{d}: {best[1]} ({best[0]:.1f} TFLOPs geo-mean)", flush=True)
     if args.json:
         with open(args.json, "w") as f:

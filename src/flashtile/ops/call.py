@@ -27,7 +27,7 @@ from .descriptors import tma_ready
 from . import device as devices
 from .device import graph_capturing, pdl_supported
 from .hopper import hopper_unsupported
-from .launch import MAX_CACHED, signature
+from .launch import MAX_CACHED, signature, tensor_signature
 from .schedule import list_blocks, self_attention
 
 
@@ -124,9 +124,7 @@ def op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_
     memo])."""
     tensors = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table, learnable_sink, rng)
     device, backward = q.device, dout is not None
-    # launch.signature's for tensors and None, spelled out: this runs at every call.
-    memo_key = (tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
-                       for t in (q, k, v, *tensors, dout, out, lse)]),
+    memo_key = (tuple([None if t is None else tensor_signature(t) for t in (q, k, v, *tensors, dout, out, lse)]),
                 device, window_left, window_right, attention_chunk, packing, softcap > 0.0, dropout_p > 0.0,
                 cu_seqlens_k is cu_seqlens_q, seqused_k is seqused_q, env.INTERPRET, env.hopper(),
                 devices.capture_target(), backward and env.pdl(), backward and graph_capturing(device))

@@ -78,7 +78,8 @@ class _Entry(NamedTuple):
 _CACHE: dict[tuple, _Entry] = {}
 
 
-def _tensor_signature(x: torch.Tensor) -> tuple:
+def tensor_signature(x: torch.Tensor) -> tuple:
+    """A tensor's part of a launch key (signature): shape, strides, dtype, 16-byte alignment of its pointer."""
     return x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
 
 
@@ -90,7 +91,7 @@ def _signature(x):
     if x is None or isinstance(x, (int, str)):  # bools are ints
         return x
     if isinstance(x, torch.Tensor):
-        return _tensor_signature(x)
+        return tensor_signature(x)
     if isinstance(x, float):
         return float
     if hasattr(x, "block_shape") and hasattr(x, "base"):  # Triton's and Gluon's TensorDescriptor
@@ -108,7 +109,7 @@ def _same(x):
 
 
 _BY_TYPE = {type(None): _same, int: _same, bool: _same, str: _same, float: lambda x: float,
-            torch.Tensor: _tensor_signature, torch.nn.Parameter: _tensor_signature}
+            torch.Tensor: tensor_signature, torch.nn.Parameter: tensor_signature}
 
 
 def signature(*xs) -> tuple:
