@@ -260,3 +260,32 @@ def test_fake_shapes_and_compile(device):
         results.append((out, *torch.autograd.grad(out, inputs, torch.ones_like(out))))
     for got, want in zip(*results):
         assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_narrow_v_tiles_reach_every_launch(monkeypatch):
+    """config.NARROW_V's tiles (MLA prefill: q/k 192 padded to 256 beside v 128) are the ones a 192/128 call
+    launches, forward, dQ and dK/dV alike, with the dQ kernel's varlen tile list; a d256 v keeps the table's.
+    The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    from flashtile import env
+    from flashtile.config import NARROW_V, TABLE
+    from flashtile.ops.launch import capture_launches
+
+    monkeypatch.setattr(env, "INTERPRET", False)  # the GPU's tile table, not the interpreter's tiles
+    cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+    for dv, tiles in ((128, NARROW_V), (256, {kernel: {(256, 256): TABLE[kernel][256]} for kernel in TABLE})):
+        q, k = (torch.randn(300, 4, 192, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.randn(300, 4, dv, dtype=torch.bfloat16, requires_grad=True)
+        with capture_launches() as launches:
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, causal=True)
+            out.backward(torch.randn_like(out))
+        by_kernel = {launch.kernel.__name__: launch for launch in launches}
+        for name, kernel in (("_attn_fwd_kernel", "fwd"), ("_bwd_dq_kernel", "bwd_dq"),
+                             ("_bwd_dkdv_kernel", "bwd_dkdv")):
+            cfg = tiles[kernel][(256, dv)]
+            kwargs = by_kernel[name].kwargs
+            assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (
+                cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), (dv, name)
+        dq = tiles["bwd_dq"][(256, dv)]
+        assert by_kernel["_bwd_dq_kernel"].kwargs["LISTED"]
+        assert any(launch.kwargs.get("BLOCK") == dq.block_m for launch in launches
+                   if launch.kernel.__name__ == "_plan_kernel"), dv

@@ -3,7 +3,7 @@ The backward kernels are scored on the whole backward (dQ with delta, then dK/dV
 
 Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [--seqlen 4096]
            [--head-dims 192 --head-dim-v 128 --heads 16]
-Feeds config.TABLE by hand, at the padded wider of the two head dims (--head-dim-v: v's, as MLA prefill's 192/128):
+Feeds config.TABLE by hand (with --head-dim-v narrower than the head dim, config.NARROW_V: MLA prefill's 192/128):
 each entry there names the run it came from. Shapes follow the standard sweep (B*S = 16k tokens, hidden 2048
 unless --heads), bf16, causal and not; the score is the geometric mean of TFLOPs over both, FLOPs
 2·B·H·S²·(d + d_v) for the forward (halved causal), 2.5x that for the backward.
@@ -49,7 +49,10 @@ def main():
         q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         flops = 2 * b * h * s * s * (d + dv)
-        entry = config.block_d(max(d, dv))  # the row a call of these head dims reads (config.table_config)
+        # The entry a call of these head dims reads (config.table_config): NARROW_V's where v is narrower.
+        narrow = config.block_d(dv) < config.block_d(max(d, dv))
+        table = config.NARROW_V if narrow else config.TABLE
+        entry = (config.block_d(d), config.block_d(dv)) if narrow else config.block_d(max(d, dv))
         for kernel in args.kernels.split(","):
             best = None
             for cfg in config.CANDIDATES[kernel]:

@@ -12,6 +12,7 @@ cross several block boundaries (32 x 16 is deliberately not square, which catche
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 from . import env
 
@@ -91,6 +92,25 @@ _DROPOUT_D64 = ("measured on H200, 2026-12-03, triton 3.6, p = 0.1 (the dK/dV ti
 DROPOUT: dict[str, dict[int, TileConfig]] = {
     "bwd_dkdv": {64: TileConfig(64, 64, 4, 3, _DROPOUT_D64)},
 }
+_MLA_FWD = ("measured on H200, 2026-12-03, triton 3.6 (q/k 192, v 128; b4 x 4k x h16 bf16, each kernel's tile tried "
+            "with the others at the d256 row's, out and grads checked against an fp32 reference): forward ms "
+            "non-causal / causal 1.574 / 0.903 against the d256 row's (64, 64, 4, 3) 1.877 / 1.106; (128, 64, 8, 2) "
+            "1.854 / 1.109, (64, 128, 4, 2) 2.175 / 1.272, (128, 32, 8, 2) 1.944 / 1.684; (128, 128, 8, 2) does not "
+            "fit")
+_MLA_DQ = ("measured as _MLA_FWD: backward ms 9.815 / 5.011 against the d256 row's (64, 64, 4, 2) 10.435 / 5.404; "
+           "(128, 64, 8, 2) 9.912 / 4.997, (64, 32, 4, 2) 10.259 / 5.196, (64, 64, 8, 2) 12.327 / 6.368")
+_MLA_DKDV = ("measured as _MLA_FWD: backward ms 7.674 / 4.342 against the d256 row's (32, 64, 8, 2) 10.435 / 5.404; "
+             "(64, 32, 4, 2) 9.042 / 4.911, (64, 64, 4, 2) 9.797 / 5.399. Faster, but ptxas serialises their wgmma "
+             "(255 registers, 544-656 bytes spilled; tests/sm90_compile.py refuses it): (32, 64, 4, 2) 5.749 / "
+             "4.171, (32, 128, 8, 2) 6.977 / 4.312")
+# kernel -> (padded q/k head dim, padded v head dim) -> config where v is narrower than q/k (MLA prefill's 192/128,
+# whose q/k pad to 256): the d256 row's tiles are sized for a V, O, dO and dV 256 wide, and a 128-wide one leaves
+# registers and shared memory for others.
+NARROW_V: dict[str, dict[tuple[int, int], TileConfig]] = {
+    "fwd": {(256, 128): TileConfig(128, 64, 8, 3, _MLA_FWD)},
+    "bwd_dq": {(256, 128): TileConfig(64, 64, 4, 3, _MLA_DQ)},
+    "bwd_dkdv": {(256, 128): TileConfig(64, 64, 8, 2, _MLA_DKDV)},
+}
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
     "bwd_dkdv": TileConfig(16, 32, 4, 1, "CPU interpreter: small tiles to cross block boundaries"),
@@ -150,22 +170,27 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
-    """The config of `kernel` at this head dim, for fp32 inputs if `fp32`, with dropout if `dropout`."""
+def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False,
+                head_dim_v: Optional[int] = None) -> TileConfig:
+    """The config of `kernel` at this head dim (the wider of q/k's and v's), for fp32 inputs if `fp32`, with
+    dropout if `dropout`, with v's head dim `head_dim_v` (None: the same)."""
     if env.INTERPRET:
         return _INTERPRETER[kernel]
-    return table_config(kernel, head_dim, fp32, dropout)
+    return table_config(kernel, head_dim, fp32, dropout, head_dim_v)
 
 
-def table_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False) -> TileConfig:
+def table_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False,
+                 head_dim_v: Optional[int] = None) -> TileConfig:
     """The GPU table's config of `kernel` (what tile_config gives outside the interpreter; `flashtile info` shows
-    it on any machine). fp32 takes precedence: its tiles are the ones that fit shared memory."""
+    it on any machine). fp32 takes precedence: its tiles are the ones that fit shared memory; then dropout's,
+    then a narrower v's (NARROW_V)."""
     d = block_d(head_dim)
     if fp32 and d in FP32[kernel]:
         return FP32[kernel][d]
     if dropout and d in DROPOUT.get(kernel, {}):
         return DROPOUT[kernel][d]
-    return TABLE[kernel][d]
+    narrow = NARROW_V[kernel].get((d, block_d(head_dim_v))) if head_dim_v is not None else None
+    return narrow or TABLE[kernel][d]
 
 
 # The decode kernel's tiles (kernels/decode.py, ops/decode.py).

@@ -138,7 +138,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         # (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it walks the
         # schedule (dq_list_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its consumer's
         # rows, and the Gluon dK/dV kernel from a first-first list of the key side (ops/call.py decides which).
-        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, gluon, dropout)
+        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, gluon, dropout, p.head_dim_v)
         if plan is None or not plan.has(dq_block, 0):
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
                                *plan_lists((dq_block, False), *(((dkdv_block, True),) if p.self_attention else ())))
@@ -156,7 +156,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     host = HOST_DESCRIPTORS and block_d(p.tile_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
     if host and not gluon:
-        block_n = tile_config("bwd_dq", p.tile_dim, fp32, dropout).block_n
+        block_n = tile_config("bwd_dq", p.tile_dim, fp32, dropout, p.head_dim_v).block_n
         kd, vd = host_desc(k, block_n), host_desc(v, block_n)
     else:
         kd, vd = k, v
@@ -203,12 +203,12 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         launch(_bwd_dq_kernel, "bwd_dq", p.tile_dim, fp32, key,
                (q, kd, vd, dout, out, dq, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan is None else plan.last_first if listed else plan.schedule, p.rng, *scalars),
-               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS, dropout=dropout)
+               lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS, dropout=dropout, head_dim_v=p.head_dim_v)
         record("bwd_dq", TRITON)
         launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
                (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
                 None if plan_k is None else plan_k.schedule, p.rng, *scalars),
-               lambda: static("bwd_dkdv"), pdl=pdl, dropout=dropout)
+               lambda: static("bwd_dkdv"), pdl=pdl, dropout=dropout, head_dim_v=p.head_dim_v)
     record("bwd_dkdv", TRITON)
     return grads, delta
 

@@ -195,7 +195,7 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
             dq_list_block = list_blocks(max(head_dim, head_dim_v), q.dtype == torch.float32,
-                                        bwd_unsupported is None, dropout_p > 0.0)[1]
+                                        bwd_unsupported is None, dropout_p > 0.0, head_dim_v)[1]
     p = OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                   learnable_sink, rng, dout, out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv,
                   head_dim, head_dim_v, float(softmax_scale), window_left, window_right, attention_chunk,

@@ -111,7 +111,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if varlen:
         # The kernel reads each sequence's lengths, clamped to the bounds its seqlen arguments carry
         # (kernels/seqlen.py: seq_info; ops/call.OpProblem).
-        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon, p.dropout_p > 0.0)
+        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon, p.dropout_p > 0.0,
+                                                     p.head_dim_v)
         backward = for_backward and p.self_attention
         lists = plan_lists((fwd_block, False), *(((dq_block, False), (dkdv_block, True)) if backward else ()))
         plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,
@@ -139,7 +140,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if desc == DESC_ROW.value:
         qd, kd, vd, od = q, k, v, out
     else:
-        cfg = tile_config("fwd", p.tile_dim, q.dtype == torch.float32, p.dropout_p > 0.0)
+        cfg = tile_config("fwd", p.tile_dim, q.dtype == torch.float32, p.dropout_p > 0.0, p.head_dim_v)
         qd, kd, vd = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n)
         # A packed batch's O is stored through per-sequence descriptors (kernels/fwd.py: DESC).
         od = host_desc(out, cfg.block_m) if desc == DESC_DENSE.value else out
@@ -168,7 +169,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             None if plan is None else plan.schedule, block_table, p.rng, p.learnable_sink, qk_scale, softcap2,
             p.dropout_p),
-           static, pre_hook=_FWD_BLOCKS, dropout=p.dropout_p > 0.0)
+           static, pre_hook=_FWD_BLOCKS, dropout=p.dropout_p > 0.0, head_dim_v=p.head_dim_v)
     return out, lse, plan
 
 

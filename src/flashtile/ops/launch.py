@@ -239,10 +239,11 @@ def _autotuned(kernel, name: str, pre_hook):
 
 
 def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, static: Callable[[], Static],
-           pre_hook=None, pdl: bool = False, dropout: bool = False) -> None:
+           pre_hook=None, pdl: bool = False, dropout: bool = False, head_dim_v: Optional[int] = None) -> None:
     """Launch `kernel(*dynamic, *static().args, **static().constexprs)` with the tile config of `name`
-    (config.py; `fp32`: for fp32 inputs, `dropout`: with dropout) on static().grid(BLOCK_M, BLOCK_N), through
-    the launch cache (Note [launch cache]) when `key` is not None (it fixes the inputs' dtype).
+    (config.py; `fp32`: for fp32 inputs, `dropout`: with dropout, `head_dim_v`: v's head dim) on
+    static().grid(BLOCK_M, BLOCK_N), through the launch cache (Note [launch cache]) when `key` is not None (it
+    fixes the inputs' dtype).
 
     With FLASHTILE_AUTOTUNE=1 on a GPU the config is chosen by timing config.CANDIDATES instead (once per problem
     class; Triton caches the choice on disk), and `pre_hook(arguments by name)` adapts the arguments to each
@@ -253,7 +254,7 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
     """
     if _capture.launches is not None:
         s = static()
-        cfg = tile_config(name, head_dim, fp32, dropout)
+        cfg = tile_config(name, head_dim, fp32, dropout, head_dim_v)
         options = launch_opts(cfg) | ({"launch_pdl": True} if pdl else {})
         _capture.launches.append(Launch(kernel, _grid(s, cfg), (*dynamic, *s.args), s.constexprs | cfg.kwargs() |
                                         options))
@@ -271,13 +272,13 @@ def launch(kernel, name: str, head_dim: int, fp32: bool, key, dynamic: tuple, st
             if env.INTERPRET or env.debug_checks():
                 s = static()
                 _check(kernel, entry, dynamic, s.args, s.constexprs,
-                       _grid(s, tile_config(name, head_dim, fp32, dropout)))
+                       _grid(s, tile_config(name, head_dim, fp32, dropout, head_dim_v)))
             _launch_cached(kernel, device, entry, dynamic)
             return
     else:
         full_key = None
     s = static()
-    cfg = tile_config(name, head_dim, fp32, dropout)
+    cfg = tile_config(name, head_dim, fp32, dropout, head_dim_v)
     constexprs = s.constexprs | cfg.kwargs()
     n_args = len(dynamic) + len(s.args)
     names = kernel.arg_names
