@@ -140,8 +140,9 @@ def format_info(env_info: dict, cov: dict) -> str:
              "tested with: " + "; ".join(f"{k} {', '.join(v)}" for k, v in env_info["tested"].items()),
              "",
              f"coverage on {cov['target']}",
-             "(tiles: BLOCK_M x BLOCK_N, warps, stages. A head dim between two rows runs the larger row's Triton tiles;"
-             " the Gluon kernels take 128 exactly)"]
+             "(tiles: BLOCK_M x BLOCK_N, warps, stages. A head dim between two rows runs the larger row's Triton tiles,"
+             " a v head dim narrower than q/k's (MLA prefill's 192/128) config.NARROW_V's; the Gluon kernels take 128"
+             " exactly)"]
     header = ("dtype", "d", "feature", "path", "fwd", "bwd_dq", "bwd_dkdv / decode", "why not Gluon")
     table = []
     for r in cov["rows"]:
