@@ -200,6 +200,21 @@ def test_absorbed_mla_cache(device, page_size):
         check_close(f"out[{b}]", out[b:b + 1], ref, base, 2)
 
 
+def test_decode_reads_v_from_k_only_for_a_view():
+    """V_IS_K (kernels/decode.py) is taken only where v_cache is k_cache's own first channels; 576 is read as
+    512 + 64, V's 512 then being K's first part."""
+    from flashtile.config import head_dim_parts
+    from flashtile.ops.decode import v_is_k
+    assert head_dim_parts(576) == (512, 64) and head_dim_parts(192) == (128, 64) and head_dim_parts(128) == (128, 0)
+    assert head_dim_parts(224) == (256, 0) and head_dim_parts(24) == (32, 0) and head_dim_parts(40) == (32, 16)
+    cache = torch.zeros(2, 8, 1, 576, dtype=torch.bfloat16)
+    assert v_is_k(cache, cache[..., :512], 512)
+    assert not v_is_k(cache, cache[..., :512].clone(), 512)  # same values, another storage
+    assert not v_is_k(cache, cache[..., 64:576], 512)  # a view, but not of the first channels
+    assert not v_is_k(cache, cache[..., :256], 512)  # narrower than K's first part
+    assert not v_is_k(cache, cache[:1, :, :, :512], 512)  # fewer sequences
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(v=(2, 9, 2, 16)), "k and v must have the same shape but for the last"),
     (dict(v=(2, 11, 2, 520)), r"v's head dim \(head_dim_v\) must be in \[1, 512\]"),

@@ -218,6 +218,10 @@ CASES = {
     "two_m_tiles_ragged_group": dict(nheads=6, nheads_kv=1, seqlen_q=3, window=(4, 0), batch=1, seqlens=(60,)),
     "head_dim_40": dict(head_dim=40, page_size=16, seqlen_new=1),
     "head_dim_64": dict(head_dim=64, nheads=2, nheads_kv=1, batch=1, seqlens=(90,)),
+    # Head dims read in two parts (32 + 16: config.head_dim_parts), rotary pairs crossing from one into the other.
+    "head_dim_48_rotary_neox": dict(head_dim=48, rotary="neox", seqlen_new=2, seqlen_q=2, causal=True),
+    "head_dim_40_rotary_interleaved_paged": dict(head_dim=40, rotary="interleaved", rotary_dim=40, page_size=16,
+                                                 seqlen_new=1),
     "rotary_interleaved_causal": dict(rotary="interleaved", seqlen_new=3, seqlen_q=3, causal=True),
     "rotary_neox_causal_paged": dict(rotary="neox", seqlen_new=2, seqlen_q=2, causal=True, page_size=16),
     "rotary_interleaved_noncausal": dict(rotary="interleaved", seqlen_new=2, seqlen_q=2),

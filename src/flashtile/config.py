@@ -170,6 +170,19 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def head_dim_parts(head_dim: int) -> tuple[int, int]:
+    """(first, tail): the q/k head dim as the decode kernel tiles it, two powers of two (tail 0: one part,
+    block_d(head_dim) wide). A head dim between powers of two is read as the lower one plus the narrowest tail
+    (>= 16) that covers the rest, where that is narrower than padding to the next power: DeepSeek's 576 is
+    512 + 64 (a 1024-wide tile would spend 44% of the Q Kᵀ product on zeros), 192 is 128 + 64, 96 is 64 + 32."""
+    padded = block_d(head_dim)
+    first = padded // 2
+    tail = block_d(head_dim - first) if head_dim > first else 0
+    if first < 16 or first + tail >= padded:
+        return padded, 0
+    return first, tail
+
+
 def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False,
                 head_dim_v: Optional[int] = None) -> TileConfig:
     """The config of `kernel` at this head dim (the wider of q/k's and v's), for fp32 inputs if `fp32`, with

@@ -22,15 +22,21 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
   PAGE_TILED PAGED with page_size a multiple of BLOCK_N: a tile's rows are contiguous in one page, so the kernel
              reads one block-table entry per tile instead of translating each row (kvcache.cache_coords).
   BLOCK_T    an upper bound on the query tokens one M tile spans (for the key block range).
-  BLOCK_D    head dim rounded up to a power of two; columns past HEAD_DIM are masked on load and store (the cache
+  BLOCK_D, BLOCK_D2   the q/k head dim as two powers of two (config.head_dim_parts): columns [0, BLOCK_D) and,
+             where BLOCK_D2 > 0, [BLOCK_D, BLOCK_D + BLOCK_D2), each product Q Kᵀ the sum of the parts' (DeepSeek's
+             576 is 512 + 64: padded to one 1024-wide part, 44% of that product's work would be on zeros).
+             BLOCK_D2 = 0: one part, BLOCK_D >= HEAD_DIM. Columns past HEAD_DIM are masked on load (the cache
              cannot be zero-padded, it is the caller's tensor).
-  HEAD_DIM_V, BLOCK_DV   the same for V and O, whose head dim may differ from Q's and K's (MLA).
+  HEAD_DIM_V, BLOCK_DV   V's and O's head dim, which may differ from Q's and K's (MLA), and its power of two.
+  V_IS_K     v_cache is a view of k_cache's first HEAD_DIM_V channels (an absorbed MLA cache) and BLOCK_DV =
+             BLOCK_D: V's tile is K's first part, already on chip, so each cache row is read once. Its columns
+             past HEAD_DIM_V hold K's other channels, so O's are garbage there; they are never stored.
   acc, m_i, l_i   the online softmax state, as in fwd.py.
   UPCAST     compute on fp32 copies of bf16 tiles: only under the CPU interpreter, which cannot compute on bf16.
   DOT_PRECISION   "ieee" for fp32 inputs (true fp32 products), "tf32" otherwise; from problem.kernel_flags.
 
 Flags that change the code: PAGED (row translation through the block table), PAGE_TILED, HAS_BATCH_IDX,
-HAS_LEFTPAD, HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position
+HAS_LEFTPAD, V_IS_K, HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position
 cache_seqlens + t when the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
 HAS_ALIBI, HAS_SINK (a learnable sink logit per query head, folded into split 0's state only: the merge of the
 splits then counts it once; softmax.fold_sink), UPCAST, DOT_PRECISION.
@@ -47,25 +53,47 @@ from .softmax import finalize, fold_sink, online_softmax_step
 
 
 @triton.jit
-def _load_kv(ptrs, row_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A (BLOCK_N, BLOCK_D) tile. In MASKED blocks rows with row_ok false are not read and load as 0: a 0 in V
-    times a probability of 0 stays 0, where a stray NaN would not."""
+def _load_kv(ptrs, row_ok, d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, END: tl.constexpr):
+    """A (BLOCK_N, columns d) tile; END bounds d, and columns past HEAD_DIM load as 0. In MASKED blocks rows with
+    row_ok false are not read and load as 0: a 0 in V times a probability of 0 stays 0, where a stray NaN would
+    not."""
     if MASKED:
-        if HEAD_DIM < BLOCK_D:
+        if HEAD_DIM < END:
             return tl.load(ptrs, mask=row_ok[:, None] & (d < HEAD_DIM), other=0.0)
         return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    if HEAD_DIM < BLOCK_D:
+    if HEAD_DIM < END:
         return tl.load(ptrs, mask=d < HEAD_DIM, other=0.0)
     return tl.load(ptrs)
 
 
 @triton.jit
-def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo, hi,
+def _load_q(q_ptrs, d, row_ok, seqlen_cache, i, COS, SIN, stride_cos, rotary_dim, seqlen_ro, HEAD_DIM: tl.constexpr,
+            HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, PER_TOKEN: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """Columns d of the packed query rows, rotated (HAS_ROTARY) at seqlen_cache, or at seqlen_cache + i for each
+    token when the mask is causal or local (PER_TOKEN)."""
+    mask = row_ok[:, None] & (d < HEAD_DIM)
+    if HAS_ROTARY:
+        pos = seqlen_cache
+        if PER_TOKEN:
+            pos = seqlen_cache + i
+        q = rotary_load(q_ptrs, d, mask, pos, COS, SIN, stride_cos, rotary_dim, seqlen_ro, ROTARY_INTERLEAVED)
+        q = q.to(q_ptrs.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs + d, mask=mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo, hi,
                   r_lo, r_hi, seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, PAGED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, MASKED: tl.constexpr,
+                  PAGED: tl.constexpr,
                   PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
@@ -85,20 +113,29 @@ def _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d, lo,
         else:
             page, off = cache_coords(r, b, cache_b, BLOCK_TABLE, stride_btb, page_size, page_mul, page_shift,
                                      num_pages, None, PAGED)
-        k = _load_kv(K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d, row_ok, d,
-                     MASKED, HEAD_DIM, BLOCK_D)
+        k_rows = K + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh
+        k = _load_kv(k_rows + d, row_ok, d, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
         j = (r - r_lo)[None, :]  # logical key index
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            d2 = BLOCK_D + tl.arange(0, BLOCK_D2)[None, :]
+            k2 = _load_kv(k_rows + d2, row_ok, d2, MASKED, HEAD_DIM, BLOCK_D + BLOCK_D2)
+            if UPCAST:
+                k2 = k2.to(tl.float32)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         s2, _ = logits(s, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p, alpha, l_i, m_i = online_softmax_step(s2, 1.0, m_i, l_i, MASKED)
-        v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + dv, row_ok, dv,
-                     MASKED, HEAD_DIM_V, BLOCK_DV)
-        if UPCAST:
-            v = v.to(tl.float32)
+        if V_IS_K:
+            v = k
+        else:
+            v = _load_kv(V + (page * stride_vb + off * stride_vn)[:, None] + hk * stride_vh + dv, row_ok, dv,
+                         MASKED, HEAD_DIM_V, BLOCK_DV)
+            if UPCAST:
+                v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -115,7 +152,8 @@ def _decode_kernel(
     seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
     num_splits, num_m_tiles,
     qk_scale, softcap2, wl, wr, chunk,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
@@ -123,6 +161,8 @@ def _decode_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
+    tl.static_assert(BLOCK_D2 == 0 or BLOCK_D2 >= 16, "tl.dot needs every dimension >= 16")
+    tl.static_assert(not V_IS_K or BLOCK_DV == BLOCK_D, "V's tile is K's first part")
     # M tiles of one split are neighbours in launch order, so they share the split's K/V through L2.
     m_tile = tl.program_id(0) % num_m_tiles
     split = tl.program_id(0) // num_m_tiles
@@ -150,19 +190,14 @@ def _decode_kernel(
     row_ok = t < seqlen_q
     i = t[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    q_mask = row_ok[:, None] & (d < HEAD_DIM)
     q_ptrs = Q + b64 * stride_qb + (t * stride_qm + h * stride_qh)[:, None]
-    if HAS_ROTARY:
-        pos = seqlen_cache
-        if MASK_LEFT or MASK_RIGHT:
-            pos = seqlen_cache + i
-        q = rotary_load(q_ptrs, d, q_mask, pos, COS, SIN, stride_cos, rotary_dim, seqlen_ro,
-                        ROTARY_INTERLEAVED)
-        q = q.to(Q.dtype.element_ty)
-    else:
-        q = tl.load(q_ptrs + d, mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_q(q_ptrs, d, row_ok, seqlen_cache, i, COS, SIN, stride_cos, rotary_dim, seqlen_ro, HEAD_DIM,
+                HAS_ROTARY, ROTARY_INTERLEAVED, MASK_LEFT or MASK_RIGHT, UPCAST)
+    q2 = q  # unused with one part
+    if BLOCK_D2 > 0:
+        q2 = _load_q(q_ptrs, BLOCK_D + tl.arange(0, BLOCK_D2)[None, :], row_ok, seqlen_cache, i, COS, SIN,
+                     stride_cos, rotary_dim, seqlen_ro, HEAD_DIM, HAS_ROTARY, ROTARY_INTERLEAVED,
+                     MASK_LEFT or MASK_RIGHT, UPCAST)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = (tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0) * LOG2E)[:, None]
@@ -184,27 +219,30 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # This split's share of: the masked left edge, the mask-free interior, the masked right edge.
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, True, PAGED, PAGE_TILED,
-                                  MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, True, PAGED,
+                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+                                  DOT_PRECISION)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, False, PAGED, PAGE_TILED,
-                                  MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, False, PAGED,
+                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+                                  DOT_PRECISION)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                                   tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
                                   chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
                                   stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, True, PAGED, PAGE_TILED,
-                                  MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST, DOT_PRECISION)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, True, PAGED,
+                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
+                                  DOT_PRECISION)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + h, mask=row_ok, other=0.0) * LOG2E

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..config import TileConfig, block_d, decode_config
+from ..config import TileConfig, block_d, decode_config, head_dim_parts
 from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
@@ -95,6 +95,14 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     if block_m <= 16 and budget >= MIN_MAXNREG:
         opts["maxnreg"] = min(budget, 255)
     return opts
+
+
+def v_is_k(k_cache: torch.Tensor, v_cache: torch.Tensor, block_d_k: int) -> bool:
+    """Whether the decode kernel may take V's tile from K's first part (kernels/decode.py: V_IS_K): v_cache is
+    k_cache's first channels (an absorbed MLA cache, one storage) and as wide a tile as K's first part."""
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1]
+            and v_cache.dtype == k_cache.dtype and block_d(v_cache.shape[-1]) == block_d_k)
 
 
 def page_args(k_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -217,6 +225,7 @@ def decode(
     stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype,
                          chunk=attention_chunk)
+    block_d_k, block_d_tail = head_dim_parts(head_dim)
     grid = (num_m_tiles * num_splits, nheads_kv, batch)
     launch_direct(
         _decode_kernel, grid,
@@ -229,7 +238,8 @@ def decode(
         seqlen_ro, num_splits,
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right, attention_chunk,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v),
+        HEAD_DIM=head_dim, BLOCK_D=block_d_k, BLOCK_D2=block_d_tail, HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=block_d(head_dim_v), V_IS_K=v_is_k(k_cache, v_cache, block_d_k),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
         GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
