@@ -387,11 +387,13 @@ def test_model_presets_build_their_cases():
     assert {c.seqlen_q for c in d512} == {4096, 16384} and {c.causal for c in d512} == {False, True}
 
     decode = build_cases(preset_runs("mla-decode"), GPU_SHAPES, "bf16")
-    assert all(c.absorbed and (c.nheads, c.nheads_kv, c.headdim, c.dv, c.seqlen_q) == (128, 1, 576, 512, 1)
+    assert {c.nheads for c in decode} == {16, 128}
+    assert all(c.absorbed and (c.nheads_kv, c.headdim, c.dv, c.seqlen_q) == (1, 576, 512, 1)
                for c in decode)
     assert {(c.batch, c.seqlen_k) for c in decode} == {(b, s) for b in (16, 32, 64)
                                                        for s in (4096, 8192, 16384, 32768)}
-    assert [c.page_size for c in decode] == [0] * 12 + [64] * 12
+    assert sorted((c.nheads, c.page_size) for c in decode) == [(h, p) for h in (16, 128) for p in (0, 64)
+                                                               for _ in range(12)]
 
     # The CPU twins: the same structure at toy sizes, the real head dims where the kernels depend on them.
     twins = {p: build_cases(preset_runs(p), CPU_SHAPES, "fp16") for p in ("sinks", "mla", "d512", "mla-decode")}

@@ -27,9 +27,11 @@ The GPU sweeps:
   at the same heads, tokens and lengths, the shape the (192, 128) kernels are compared with.
 - d512 (modes fwd, fwdbwd, the d512 preset): head dims 256 and 512 (hidden 2048: 8 and 4 heads), 16k tokens,
   S = 4k and 16k, causal and not.
-- mla-decode (mode decode, the mla-decode preset): DeepSeek's absorbed MLA decode, 128 query heads on one
-  576-wide latent KV head whose first 512 channels are V (Case.absorbed), one query token, batch 16, 32 and 64
-  against caches of 4k…32k tokens, contiguous and 64-token pages; read as TB/s of the cache.
+- mla-decode (mode decode, the mla-decode preset): DeepSeek's absorbed MLA decode, 128 query heads (one GPU)
+  or 16 (tensor-parallel over 8) on one 576-wide latent KV head whose first 512 channels are V (Case.absorbed),
+  one query token, batch 16, 32 and 64 against caches of 4k…32k tokens, contiguous and 64-token pages; read as
+  TB/s of the cache. At 128 heads each cache byte meets 242 FLOP, at 16 heads 30: only the latter can be
+  bandwidth-bound on an H200 (docs/perf.md).
 Without a GPU the same sweeps run at toy sizes through the Triton interpreter (the mla-decode and d512 twins keep
 their real head dims, 576/512 and 512, at a few tokens and heads).
 
@@ -209,7 +211,7 @@ GPU_SHAPES = {
     "mla-baseline": Shapes(head_dim=(128,), seqlen_q=(4096, 16384)),
     "d512": Shapes(head_dim=(256, 512), seqlen_q=(4096, 16384)),
     "mla-decode": Shapes(head_dim=(576,), head_dim_v=(512,), seqlen_k=(4096, 8192, 16384, 32768), batch=(16, 32, 64),
-                         heads=(128,), kv_heads=(1,), causal=(True,), page_size=(0, 64)),
+                         heads=(16, 128), kv_heads=(1,), causal=(True,), page_size=(0, 64)),
 }
 # Interpreter sizes: each (query tile × key tile) step costs milliseconds on a CPU, so `flashtile bench` without a
 # GPU runs one small case per mode and mask (about half a minute on two cores).
