@@ -75,7 +75,8 @@ def test_model_presets_and_their_flags():
     assert [(c.headdim, c.dv, c.sink, c.causal, c.nheads) for c in cases] == [(192, 128, True, True, 10)]
     assert cases[0].label() == "b4 s4096 h10 d192/128 bf16 causal sink"
     cases, _ = select(["--preset", "mla-decode", "--batch", "8", "--seqlen-k", "4096", "--page-size", "64"])
-    assert [(c.batch, c.seqlen_k, c.page_size, c.absorbed) for c in cases] == [(8, 4096, 64, True)]
+    assert [(c.batch, c.seqlen_k, c.page_size, c.absorbed, c.nheads) for c in cases] == [(8, 4096, 64, True, 16),
+                                                                                         (8, 4096, 64, True, 128)]
     cases, _ = select(["--preset", "d512", "--mode", "fwd", "--no-causal", "--seqlen", "4096"])
     assert [(c.headdim, c.nheads) for c in cases] == [(256, 8), (512, 4)]
 
