@@ -215,6 +215,16 @@ def test_decode_reads_v_from_k_only_for_a_view():
     assert not v_is_k(cache, cache[:1, :, :, :512], 512)  # fewer sequences
 
 
+def test_absorbed_decode_tiles_follow_the_packed_rows(monkeypatch):
+    """128 heads on the latent head take DECODE_WIDE's tile, 16 heads (one 16-row tile) DECODE_TABLE's."""
+    from flashtile import config
+    monkeypatch.setattr(config.env, "INTERPRET", False)
+    assert config.decode_config(576, rows=128) is config.DECODE_WIDE[1024]
+    assert config.decode_config(576, rows=16) is config.DECODE_TABLE[1024]
+    assert config.decode_config(576, fp32=True, rows=128) is config.DECODE_FP32[1024]
+    assert config.decode_config(128, rows=128) is config.DECODE_TABLE[128]
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(v=(2, 9, 2, 16)), "k and v must have the same shape but for the last"),
     (dict(v=(2, 11, 2, 520)), r"v's head dim \(head_dim_v\) must be in \[1, 512\]"),

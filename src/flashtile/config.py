@@ -229,9 +229,15 @@ DECODE_TABLE: dict[int, TileConfig] = {
     256: TileConfig(32, 32, 8, 3, _GUESS),
     512: TileConfig(32, 32, 8, 2, _D512),
     # DeepSeek's absorbed MLA decode: q/k 576 (512 latent + 64 rope channels, read as 512 + 64: head_dim_parts),
-    # v 512 read from K's first part (kernels/decode.py: V_IS_K). One tile for 16 and 128 heads: (32, 64, 4, 2)
-    # is 1.3x faster at 128 heads but 0.87x at 16, where decode can be bandwidth-bound.
+    # v 512 read from K's first part (kernels/decode.py: V_IS_K). This tile is for 16 heads; 128 take DECODE_WIDE's.
     1024: TileConfig(32, 32, 4, 2, _MLA),
+}
+# Tiles for decode steps that pack more than 16 query rows (GQA groups over 16 heads, several query tokens), where
+# they differ from DECODE_TABLE's: the absorbed MLA cache at 128 heads does more work a cache byte, and wider key
+# tiles pay there (_MLA: 0.83 against 0.64 TB/s at b32 x 8k; the mla-decode preset 0.64-1.02 against 0.53-0.69,
+# with 100-120 spill stores plain) but not at 16 heads (2.59 against 2.98).
+DECODE_WIDE: dict[int, TileConfig] = {
+    1024: TileConfig(32, 64, 4, 2, _MLA),
 }
 # fp32 caches where the table's 4-byte K/V stages would not fit shared memory.
 DECODE_FP32: dict[int, TileConfig] = {
@@ -241,9 +247,12 @@ DECODE_FP32: dict[int, TileConfig] = {
 DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
 
 
-def decode_config(head_dim: int, fp32: bool = False) -> TileConfig:
-    """The decode tile at this head dim (the wider of q/k's and v's), for fp32 caches if `fp32`."""
+def decode_config(head_dim: int, fp32: bool = False, rows: int = 1) -> TileConfig:
+    """The decode tile at this head dim (the wider of q/k's and v's), for fp32 caches if `fp32`, for `rows` packed
+    query rows (GQA group x query tokens) per KV head."""
     if env.INTERPRET:
         return DECODE_INTERPRETER
     d = block_d(head_dim)
-    return DECODE_FP32[d] if fp32 and d in DECODE_FP32 else DECODE_TABLE[d]
+    if fp32 and d in DECODE_FP32:
+        return DECODE_FP32[d]
+    return DECODE_WIDE[d] if rows > 16 and d in DECODE_WIDE else DECODE_TABLE[d]

@@ -210,7 +210,7 @@ def decode(
     if out.numel() == 0:
         return out, lse
     group = nheads // nheads_kv
-    cfg = decode_config(max(head_dim, head_dim_v), q.dtype == torch.float32)
+    cfg = decode_config(max(head_dim, head_dim_v), q.dtype == torch.float32, group * seqlen_q)
     block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
     if num_splits == 0:
         num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
