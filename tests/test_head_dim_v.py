@@ -214,6 +214,16 @@ def test_decode_reads_v_from_k_only_for_a_view():
     assert not v_is_k(cache, cache[..., :256], 512)  # narrower than K's first part
     assert not v_is_k(cache, cache[:1, :, :, :512], 512)  # fewer sequences
 
+    # What the decode launch of an absorbed cache carries, and of the same values in two storages (recorded, not run).
+    from flashtile.ops.launch import capture_launches
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    with capture_launches() as launches:
+        flashtile.flash_attn_with_kvcache(q, cache, cache[..., :512], cache_seqlens=5, num_splits=1)
+        flashtile.flash_attn_with_kvcache(q, cache, cache[..., :512].clone(), cache_seqlens=5, num_splits=1)
+    shared, separate = [launch.kwargs for launch in launches if launch.kernel.__name__ == "_decode_kernel"]
+    assert (shared["BLOCK_D"], shared["BLOCK_D2"], shared["V_IS_K"]) == (512, 64, True)
+    assert (separate["BLOCK_D"], separate["BLOCK_D2"], separate["V_IS_K"]) == (512, 64, False)
+
 
 def test_absorbed_decode_tiles_follow_the_packed_rows(monkeypatch):
     """128 heads on the latent head take DECODE_WIDE's tile, 16 heads (one 16-row tile) DECODE_TABLE's."""
