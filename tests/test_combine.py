@@ -41,7 +41,7 @@ def assert_matches_ref(out, lse, out_partials, lse_partials, atol=1e-5):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-@pytest.mark.parametrize("head_dim", [16, 40])
+@pytest.mark.parametrize("head_dim", [16, 40, 200])
 def test_matches_reference(num_splits, head_dim):
     out_partials, lse_partials = partials(num_splits, 2, 3, 3, head_dim)
     out, lse = kvcache.combine(out_partials, lse_partials)

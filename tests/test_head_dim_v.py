@@ -213,6 +213,10 @@ def test_decode_reads_v_from_k_only_for_a_view():
     assert not v_is_k(cache, cache[..., 64:576], 512)  # a view, but not of the first channels
     assert not v_is_k(cache, cache[..., :256], 512)  # narrower than K's first part
     assert not v_is_k(cache, cache[:1, :, :, :512], 512)  # fewer sequences
+    flat = cache.view(16, 1, 576)
+    view = flat[..., :512].view(2, 8, 1, 512)  # the one KV head's stride is 512 here, 576 in cache
+    assert view.stride(2) != cache.stride(2) and v_is_k(cache, view, 512)
+    assert not v_is_k(cache, torch.as_strided(cache, (2, 8, 1, 512), (4608, 288, 576, 1)), 512)  # other rows
 
     # What the decode launch of an absorbed cache carries, and of the same values in two storages (recorded, not run).
     from flashtile.ops.launch import capture_launches
