@@ -1,4 +1,4 @@
-"""Merging partial attention results: the split-KV combine kernel and the (o, lse) state algebra it applies.
+"""Merging partial attention results: the (o, lse) state algebra and the split-KV combine kernel.
 
 Notation:
   state      (o, lse) for one query row over some subset of the keys: o is the softmax-weighted average of the
@@ -6,11 +6,12 @@ Notation:
              log2 units (masking.py's s2). Attention over a union of disjoint key sets is a merge of their states,
              so the merge is associative and commutative and the order of splits does not matter.
   empty      a state over no visible key: o = 0 and lse = -inf. flash-attn reports such rows with lse = +inf (see
-             fwd.py), so the combine treats +inf as empty too: partial results written by any flashtile kernel
+             fwd.py), so `merge_states` treats +inf as empty too: partial results written by any flashtile kernel
              can be merged as they are.
   R, BLOCK_R rows (batch x query token x head) and rows per combine program.
-  D, BLOCK_C head dim and the columns of it a combine program writes; columns past D are masked.
+  D, BLOCK_D head dim and its power-of-two tile width; columns past D are masked.
 
+`merge_states` is the reusable piece (split-KV decode here, context-parallel attention elsewhere).
 `_combine_kernel` folds num_splits states per row into one and writes out in the output dtype and lse in natural
 log units with flash-attn's +inf for rows that saw no key. It does not compute attention.
 """
@@ -22,13 +23,23 @@ from .masking import LN2, LOG2E
 
 
 @triton.jit
-def _split_lse(LSE_PARTIAL, lse_rows, row_ok, s0, num_splits, stride_qs, SPLITS: tl.constexpr):
-    """(BLOCK_R, SPLITS) lse of splits s0 + [0, SPLITS) in log2 units, an empty part (+inf or -inf, or a split
-    past num_splits) as -inf."""
-    s = s0 + tl.arange(0, SPLITS)
-    lse = tl.load(LSE_PARTIAL + s[None, :] * stride_qs + lse_rows[:, None],
-                  mask=row_ok[:, None] & (s < num_splits)[None, :], other=float("-inf")) * LOG2E
-    return tl.where(lse == float("inf"), float("-inf"), lse)
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Merge two states over disjoint key sets. o_*: [R, D] fp32, lse_*: [R] fp32 in log2 units.
+
+    Returns (o, lse) of the union; an empty input (lse = +-inf) carries weight 0 and two empties give an empty.
+    """
+    lse_a = tl.where(lse_a == float("inf"), float("-inf"), lse_a)
+    lse_b = tl.where(lse_b == float("inf"), float("-inf"), lse_b)
+    m = tl.maximum(lse_a, lse_b)
+    # Any finite reference point is exact; 0 keeps exp2 away from (-inf) - (-inf) when both are empty.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.math.exp2(lse_a - m)
+    w_b = tl.math.exp2(lse_b - m)
+    w = w_a + w_b
+    empty = w == 0.0
+    w_safe = tl.where(empty, 1.0, w)
+    o = o_a * (w_a / w_safe)[:, None] + o_b * (w_b / w_safe)[:, None]
+    return o, tl.where(empty, float("-inf"), m + tl.math.log2(w_safe))
 
 
 @triton.jit
@@ -39,52 +50,31 @@ def _combine_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_lm,
     num_splits, seqlen_q, nheads, n_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Grid (row blocks, column blocks): BLOCK_R rows x BLOCK_C columns of out a program; the first column block
-    also writes the rows' lse.
-
-    Two passes over the splits, SPLITS of them a load: the rows' total lse = log2 sum_s exp2(lse_s) (an online
-    max and sum over the lse alone), then out = sum_s exp2(lse_s - lse) o_s. Every load of the second pass is
-    independent of the others, so a program keeps SPLITS x BLOCK_R x BLOCK_C of o in flight a load and the
-    pipeliner several loads: merging state into state, split after split, made each split wait for the last,
-    and the combine of an MLA decode step (32 splits of 16 rows x 512 channels) took 41% of the step."""
     # Rows are (b, t, h) flattened with h fastest, so neighbouring rows of a contiguous partial buffer are
     # neighbours in memory too.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = r % nheads
     t = (r // nheads) % seqlen_q
     b = (r // nheads // seqlen_q).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    d = tl.arange(0, BLOCK_D)
     row_ok = r < n_rows
+    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     o_rows = b * stride_pb + t * stride_pm + h * stride_ph
     lse_rows = b * stride_qb + h * stride_qh + t * stride_qm
 
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s0 in range(0, num_splits, SPLITS):
-        lse_s = _split_lse(LSE_PARTIAL, lse_rows, row_ok, s0, num_splits, stride_qs, SPLITS)
-        m_new = tl.maximum(m, tl.max(lse_s, 1))
-        # Any finite reference point is exact; 0 keeps exp2 away from (-inf) - (-inf) while every part is empty.
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        total = total * tl.math.exp2(m - ref) + tl.sum(tl.math.exp2(lse_s - ref[:, None]), 1)
-        m = m_new
-    empty = total == 0.0  # no part saw a key: out 0, lse +inf (flash-attn's convention)
-    lse = tl.where(empty, 0.0, tl.where(m == float("-inf"), 0.0, m) + tl.math.log2(tl.where(empty, 1.0, total)))
-
-    mask = row_ok[None, :, None] & (c < HEAD_DIM)[None, None, :]
-    o = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, num_splits, SPLITS):
-        w = tl.math.exp2(_split_lse(LSE_PARTIAL, lse_rows, row_ok, s0, num_splits, stride_qs, SPLITS)
-                         - lse[:, None])  # (R, S): 0 for an empty part
-        s = s0 + tl.arange(0, SPLITS)
-        o_s = tl.load(O_PARTIAL + s[:, None, None] * stride_ps + o_rows[None, :, None] + c[None, None, :],
-                      mask=mask & (s < num_splits)[:, None, None], other=0.0)
-        o += tl.sum(o_s.to(tl.float32) * tl.trans(w)[:, :, None], 0)
+    o = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    # The merges form a chain but the loads do not: the launcher's num_stages pipelines them. Otherwise every split
+    # costs a memory latency, and a decode step with few rows (one long sequence, 32 splits) would spend longer
+    # here than reading its KV cache.
+    for s in range(num_splits):
+        o_s = tl.load(O_PARTIAL + s * stride_ps + o_rows[:, None] + d[None, :], mask=mask, other=0.0)
+        lse_s = tl.load(LSE_PARTIAL + s * stride_qs + lse_rows, mask=row_ok, other=float("-inf"))
+        o, lse = merge_states(o, lse, o_s.to(tl.float32), lse_s.to(tl.float32) * LOG2E)
 
     out_rows = b * stride_ob + t * stride_om + h * stride_oh
-    tl.store(O + out_rows[:, None] + c[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (c < HEAD_DIM)[None, :])
-    if tl.program_id(1) == 0:
-        tl.store(LSE + b * stride_lb + h * stride_lh + t * stride_lm, tl.where(empty, float("inf"), lse * LN2),
-                 mask=row_ok)
+    tl.store(O + out_rows[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=mask)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * LN2)
+    tl.store(LSE + b * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok)

@@ -6,8 +6,7 @@ How each kernel is parallelised:
   decode      grid (num_m_tiles * num_splits, Hk, B): one program per packed query tile (GROUP heads x Sq tokens),
               KV split, KV head and sequence; see kernels/decode.py. With num_splits > 1 it writes fp32 partial
               states and `combine` folds them; with one split it writes the output directly.
-  combine     grid (cdiv(B * Sq * H, BLOCK_R), cdiv(D, BLOCK_C)): each program merges all splits of BLOCK_R rows x
-              BLOCK_C columns.
+  combine     grid (cdiv(B * Sq * H, BLOCK_R),): each program merges all splits of BLOCK_R rows.
 
 Nothing here synchronises with the device: every launch decision (tile sizes, number of splits) comes from
 shapes, so a decode step can be captured in a CUDA graph. Argument checking happens at the public API
@@ -33,10 +32,8 @@ from .fwd import logit_scales
 
 APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
 COMBINE_BLOCK_R = (4, 16)  # rows per combine program: the first while rows are too few to fill the GPU
-COMBINE_BLOCK_C = 128  # columns per combine program: a wide head dim's rows are split across programs
-COMBINE_TILE = 4096  # fp32 values of o a combine load brings in (SPLITS x rows x columns): 32 a thread
 SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append: one pass, nothing to pipeline
-COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: 3 loads of SPLITS splits ahead in flight (combine.py)
+COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits ahead in flight (combine.py)
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
@@ -164,17 +161,14 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
     n_rows = batch * seqlen_q * nheads
     if n_rows == 0 or head_dim == 0:
         return
-    block_c = min(block_d(head_dim), COMBINE_BLOCK_C)
-    col_blocks = cdiv(head_dim, block_c)
     small, large = COMBINE_BLOCK_R
     block_r = large if n_rows >= large * sm_count(out.device) else small
-    splits = min(next_power_of_2(num_splits), max(1, COMBINE_TILE // (block_r * block_c)))
     launch_direct(
-        _combine_kernel, (cdiv(n_rows, block_r), col_blocks),
+        _combine_kernel, (cdiv(n_rows, block_r),),
         out_partials, lse_partials, out, lse,
         *out_partials.stride()[:4], *lse_partials.stride()[:4], *out.stride()[:3], *lse.stride(),
         num_splits, seqlen_q, nheads, n_rows,
-        HEAD_DIM=head_dim, BLOCK_C=block_c, BLOCK_R=block_r, SPLITS=splits, **COMBINE_OPTS,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=block_r, **COMBINE_OPTS,
     )
 
 
