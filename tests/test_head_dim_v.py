@@ -239,6 +239,37 @@ def test_absorbed_decode_tiles_follow_the_packed_rows(monkeypatch):
     assert config.decode_config(128, rows=128) is config.DECODE_TABLE[128]
 
 
+def test_absorbed_decode_splits_read_eight_times_their_partial_state(monkeypatch):
+    """ops/decode.py's PARTIAL_SHARE: 16 heads x 512 channels of fp32 state per split ask for 8 key blocks of 32
+    (16 splits at b16 x 4k on 132 SMs, where 32 splits of 4 blocks were slower), and leave every other split
+    count to the wave (recorded launches, not run)."""
+    from flashtile import config
+    from flashtile.ops.common import cdiv
+    from flashtile.ops.decode import MIN_BLOCKS_PER_SPLIT, min_blocks_per_split
+    from flashtile.ops.launch import capture_launches
+    monkeypatch.setattr(config.env, "INTERPRET", False)
+
+    def splits(batch, seqlen, heads, heads_kv, dim, dim_v, absorbed):
+        q = torch.empty(batch, 1, heads, dim, dtype=torch.bfloat16)
+        k = torch.empty(batch, seqlen, heads_kv, dim, dtype=torch.bfloat16)
+        v = k[..., :dim_v] if absorbed else torch.empty(batch, seqlen, heads_kv, dim_v, dtype=torch.bfloat16)
+        with capture_launches(sms=132) as launches:
+            flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlen, causal=True)
+        (launch,) = [launch for launch in launches if launch.kernel.__name__ == "_decode_kernel"]
+        return launch.grid[0] // cdiv(heads // heads_kv, launch.kwargs["BLOCK_M"])
+
+    assert min_blocks_per_split(16, 512, 32, 576 * 2) == 8
+    assert min_blocks_per_split(4, 128, 64, 256 * 2) == MIN_BLOCKS_PER_SPLIT  # GQA 32/8 at d128: the floor
+    assert splits(16, 4096, 16, 1, 576, 512, True) == 16  # one wave would be 33, 4 blocks would allow 32
+    assert splits(16, 8192, 16, 1, 576, 512, True) == 32
+    assert splits(16, 16384, 16, 1, 576, 512, True) == 33  # the wave's
+    assert splits(64, 4096, 16, 1, 576, 512, True) == 8
+    assert splits(16, 4096, 128, 1, 576, 512, True) == 8  # 4 tiles of 32 rows a sequence: the wave's
+    # V read beside K counts too: the same shapes over separate K and V need fewer blocks a split
+    assert min_blocks_per_split(16, 512, 32, (576 + 512) * 2) == 4
+    assert splits(16, 4096, 16, 1, 576, 512, False) == 32
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(v=(2, 9, 2, 16)), "k and v must have the same shape but for the last"),
     (dict(v=(2, 11, 2, 520)), r"v's head dim \(head_dim_v\) must be in \[1, 512\]"),

@@ -45,10 +45,17 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 # 1.03-1.45 waves 2.89-3.67 paged). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its
 # pipeline fills, and the partial buffers are capped at MAX_SPLITS. Head dims other than 128 use the same
 # occupancy, not measured.
+# A split also reads at least PARTIAL_SHARE times the bytes of the fp32 partial state it writes, which the
+# combine reads back: binding only where a tile's rows carry a wide V, as absorbed MLA decode's 16 heads x 512
+# channels (32 KB of state against 36 KB of cache a key block). There, at 16 sequences of 4k tokens, 32 splits of 4
+# blocks read 1.37 TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs, one sweep of
+# num_splits); at 8k, 32 splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k on, or from
+# 32 sequences, the rule leaves the wave's count.
 PROGRAMS_PER_SM = 4
 REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
 MIN_BLOCKS_PER_SPLIT = 4
+PARTIAL_SHARE = 8
 MAX_SPLITS = 128
 
 
@@ -56,11 +63,19 @@ MAX_SPLITS = 128
 _SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST", "DOT_PRECISION")
 
 
-def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int) -> int:
+def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int, min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
     """Splits per (sequence, KV head, M tile) from shapes only: work_units = B * Hk * M tiles and max_kv_blocks is
-    the cache capacity in BLOCK_N blocks (never the current lengths, which live on the device)."""
+    the cache capacity in BLOCK_N blocks (never the current lengths, which live on the device); each split gets at
+    least min_blocks of them (min_blocks_per_split)."""
     wave = PROGRAMS_PER_SM * sms
-    return max(1, min(wave // work_units, max_kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(wave // work_units, max_kv_blocks // min_blocks, MAX_SPLITS))
+
+
+def min_blocks_per_split(rows: int, head_dim_v: int, block_n: int, key_bytes: int) -> int:
+    """The fewest key blocks a split reads: MIN_BLOCKS_PER_SPLIT, or enough that the cache it reads (block_n x
+    key_bytes a block: K's row, and V's unless the kernel takes V from K) is PARTIAL_SHARE times the fp32 partial
+    out of its tile's `rows` query rows."""
+    return max(MIN_BLOCKS_PER_SPLIT, cdiv(PARTIAL_SHARE * rows * head_dim_v * 4, block_n * key_bytes))
 
 
 def packed_tile(group: int, seqlen_q: int, cfg: TileConfig) -> tuple[int, int, int]:
@@ -215,9 +230,14 @@ def decode(
     group = nheads // nheads_kv
     cfg = decode_config(max(head_dim, head_dim_v), q.dtype == torch.float32, group * seqlen_q)
     block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
+    block_d_k, block_d_tail = head_dim_parts(head_dim)
+    shared_v = v_is_k(k_cache, v_cache, block_d_k)
     if num_splits == 0:
+        key_bytes = (head_dim + (0 if shared_v else head_dim_v)) * k_cache.element_size()
         num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
-                                     cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device))
+                                     cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device),
+                                     min_blocks_per_split(min(block_m, group * seqlen_q), head_dim_v, cfg.block_n,
+                                                          key_bytes))
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
@@ -228,7 +248,6 @@ def decode(
     stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype,
                          chunk=attention_chunk)
-    block_d_k, block_d_tail = head_dim_parts(head_dim)
     grid = (num_m_tiles * num_splits, nheads_kv, batch)
     launch_direct(
         _decode_kernel, grid,
@@ -242,7 +261,7 @@ def decode(
         num_m_tiles,
         qk_scale, softcap2, window_left, window_right, attention_chunk,
         HEAD_DIM=head_dim, BLOCK_D=block_d_k, BLOCK_D2=block_d_tail, HEAD_DIM_V=head_dim_v,
-        BLOCK_DV=block_d(head_dim_v), V_IS_K=v_is_k(k_cache, v_cache, block_d_k),
+        BLOCK_DV=block_d(head_dim_v), V_IS_K=shared_v,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_T=block_t,
         GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
