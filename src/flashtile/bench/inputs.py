@@ -25,6 +25,7 @@ import torch
 
 from flashtile.bench.cases import DTYPES, Case
 from flashtile.bench.metrics import kv_bytes
+from flashtile.ops.decode import is_prefix_view
 
 L2_MULTIPLE = 4  # decode KV copies together span this many L2 caches
 MAX_KV_COPIES = 16
@@ -92,12 +93,6 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         lengths = case.cache_lengths or (case.seqlen_k,) * case.batch
         cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     return Inputs(q, kv, dout, cache_seqlens=cache_seqlens, sink=sink())
-
-
-def is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether v is k[..., :n]: the same storage, offset and strides, fewer channels (an absorbed MLA cache)."""
-    return (v.data_ptr() == k.data_ptr() and v.shape[:-1] == k.shape[:-1] and v.stride() == k.stride()
-            and v.shape[-1] <= k.shape[-1])
 
 
 def paginate(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int = 0):

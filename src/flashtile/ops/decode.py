@@ -112,15 +112,19 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     return opts
 
 
+def is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether v is k's first channels: the same storage, offset and strides, fewer channels (an absorbed MLA cache).
+    Strides of dimensions of size 1 (one KV head) address nothing, and views disagree on them:
+    k.view(...)[..., :512] and k[..., :512].view(...) are the same channels with different strides there."""
+    return (v.data_ptr() == k.data_ptr() and v.shape[:-1] == k.shape[:-1] and v.shape[-1] <= k.shape[-1]
+            and all(sv == sk for sv, sk, n in zip(v.stride(), k.stride(), k.shape) if n > 1))
+
+
 def v_is_k(k_cache: torch.Tensor, v_cache: torch.Tensor, block_d_k: int) -> bool:
-    """Whether the decode kernel may take V's tile from K's first part (kernels/decode.py: V_IS_K): v_cache is
-    k_cache's first channels (an absorbed MLA cache, one storage) and as wide a tile as K's first part. Strides
-    of dimensions of size 1 (one KV head) address nothing, and views disagree on them: k.view(...)[..., :512]
-    and k[..., :512].view(...) are the same channels with different strides there."""
-    same_strides = all(sv == sk for sv, sk, n in zip(v_cache.stride(), k_cache.stride(), k_cache.shape) if n > 1)
-    return (v_cache.data_ptr() == k_cache.data_ptr() and same_strides
-            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1]
-            and v_cache.dtype == k_cache.dtype and block_d(v_cache.shape[-1]) == block_d_k)
+    """Whether the decode kernel may take V's tile from K's first part (kernels/decode.py: V_IS_K): v_cache is a
+    prefix view of k_cache (one storage) as wide a tile as K's first part."""
+    return (is_prefix_view(v_cache, k_cache) and v_cache.dtype == k_cache.dtype
+            and block_d(v_cache.shape[-1]) == block_d_k)
 
 
 def page_args(k_cache: torch.Tensor) -> tuple[int, int, int]:
