@@ -200,6 +200,29 @@ def test_absorbed_mla_cache(device, page_size):
         check_close(f"out[{b}]", out[b:b + 1], ref, base, 2)
 
 
+def test_append_into_an_absorbed_cache_splits_the_channels(device):
+    """Appending into an absorbed cache: v fills the shared first channels and k only the channels past them
+    (kernels/kvcache.py: V_IN_K), so the row holds a documented result even for a v that is not k's first channels;
+    storing k whole and v after it from threads in no set order would leave each shared channel either."""
+    from flashtile.ops.launch import capture_launches
+    g = torch.Generator().manual_seed(12)
+    cache = torch.zeros(2, 8, 1, 48, dtype=torch.float16, device=device)
+    q = torch.randn(2, 1, 4, 48, generator=g).to(device, torch.float16)
+    k = torch.randn(2, 1, 1, 48, generator=g).to(device, torch.float16)
+    v = torch.randn(2, 1, 1, 32, generator=g).to(device, torch.float16)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32, device=device)
+    flashtile.flash_attn_with_kvcache(q, cache, cache[..., :32], k, v, cache_seqlens=seqlens)
+    for b, row in enumerate((3, 7)):
+        assert torch.equal(cache[b, row, :, :32], v[b, 0]) and torch.equal(cache[b, row, :, 32:], k[b, 0, :, 32:])
+    assert cache.count_nonzero() == 2 * 48
+    q, cache, k, v, seqlens = (t.cpu() for t in (q, cache, k, v, seqlens))  # recorded, not run
+    with capture_launches() as launches:
+        flashtile.flash_attn_with_kvcache(q, cache, cache[..., :32], k, v, cache_seqlens=seqlens)
+        flashtile.flash_attn_with_kvcache(q, cache, cache[..., :32].clone(), k, v, cache_seqlens=seqlens)
+    appends = [launch.kwargs["V_IN_K"] for launch in launches if launch.kernel.__name__ == "_append_kv_kernel"]
+    assert appends == [True, False]
+
+
 def test_decode_reads_v_from_k_only_for_a_view():
     """V_IS_K (kernels/decode.py) is taken only where v_cache is k_cache's own first channels; 576 is read as
     512 + 64, V's 512 then being K's first part."""

@@ -70,7 +70,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             absorbed MLA cache: 512 latent + 64 rope channels).
         v_cache: k_cache's shape but for the last dimension, headdim_v <= 512, which may differ from headdim (MLA).
             v_cache may be a view of k_cache (an absorbed MLA cache: v_cache = k_cache[..., :headdim_v], one
-            storage); appended v is then written over k's first channels, after k.
+            storage); appended v then fills those first channels and k only the channels past them.
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim), new keys to append. Needs v and cache_seqlens.
         v [optional]: (batch_size, seqlen_new, nheads_k, headdim_v), new values to append.
         rotary_cos [optional]: (seqlen_ro, rotary_dim / 2); rotary_dim <= headdim. Needs k and v, and

@@ -90,11 +90,13 @@ def _append_kv_kernel(
     seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_T: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_ROTARY: tl.constexpr,
-    ROTARY_INTERLEAVED: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr, V_IN_K: tl.constexpr,
 ):
     """One program per (BLOCK_T new tokens, KV head, sequence): k[b, t] -> cache row cache_seqlens[b] + t. v's
-    rows are HEAD_DIM_V wide (MLA); where v_cache is a view of k_cache's first channels (an absorbed MLA cache),
-    its store comes second, so those channels hold v."""
+    rows are HEAD_DIM_V wide (MLA). V_IN_K: v_cache is a view of k_cache's first channels (an absorbed MLA cache),
+    which hold v; k writes only the channels past them. Two stores to one address from different threads of a
+    program land in no set order (k's and v's tiles differ in width, so in layout), and storing k whole then v
+    would leave each such channel k's or v's."""
     hk = tl.program_id(1)
     b = tl.program_id(2)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -104,6 +106,10 @@ def _append_kv_kernel(
     # outside the sequence's cache are dropped here, so a bad value never writes memory the sequence does not own.
     t_ok = (t < seqlen_new) & (r >= 0) & (r < capacity)
     mask = t_ok[:, None] & (d < HEAD_DIM)
+    if V_IN_K:
+        store_k = mask & (d >= HEAD_DIM_V)
+    else:
+        store_k = mask
     cache_b = b
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + b)
@@ -118,7 +124,7 @@ def _append_kv_kernel(
     else:
         k = tl.load(k_ptrs + d, mask=mask)
     k_dst = K_CACHE + (page * stride_kb + off * stride_kn)[:, None] + hk * stride_kh + d
-    tl.store(k_dst, k.to(K_CACHE.dtype.element_ty), mask=mask)
+    tl.store(k_dst, k.to(K_CACHE.dtype.element_ty), mask=store_k)
 
     dv = tl.arange(0, BLOCK_DV)[None, :]
     mask_v = t_ok[:, None] & (dv < HEAD_DIM_V)

@@ -162,7 +162,8 @@ def append_kv(
         seqlen_ro, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
         BLOCK_DV=block_d(head_dim_v), BLOCK_T=APPEND_BLOCK_T,
         PAGED=block_table is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved, **SMALL_KERNEL_OPTS,
+        HAS_ROTARY=rotary_cos is not None, ROTARY_INTERLEAVED=rotary_interleaved,
+        V_IN_K=is_prefix_view(v_cache, k_cache), **SMALL_KERNEL_OPTS,
     )
 
 
