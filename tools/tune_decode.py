@@ -8,7 +8,11 @@ With --splits: the number of KV splits swept at the table's tile, for batches 2.
 row shows the programs launched per resident slot (4 per SM at d128: registers) next to the bandwidth, which is how
 wave quantisation shows (a launch of 1.03 waves runs its last 3% on few SMs).
 
-Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH] [--splits]
+With --mla: the same sweep for absorbed MLA decode (16 query heads on one 576-wide latent head, v its first 512
+channels; batches 16-64 of 4k-32k tokens, contiguous and 64-token pages), the heuristic's pick (auto) first: how
+ops/decode.py's PARTIAL_SHARE was measured. TB/s counts each cache byte once.
+
+Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH] [--splits | --mla]
 """
 
 import argparse
@@ -79,13 +83,52 @@ def sweep_splits(json_path):
             json.dump(dict(gpu=torch.cuda.get_device_name(), slots=slots, rows=rows), f, indent=1)
 
 
+MLA_SPLITS = (4, 8, 12, 16, 20, 24, 32, 48, 64)
+
+
+def sweep_mla(json_path, heads=16, d=576, dv=512):
+    rows = []
+    for page in (0, 64):
+        for batch in (16, 32, 64):
+            for seqlen in (4096, 8192, 16384, 32768):
+                latent = torch.randn(batch * seqlen, 1, d, device="cuda", dtype=torch.bfloat16)
+                table = None
+                if page:
+                    pages = batch * seqlen // page
+                    k = latent.view(pages, page, 1, d)
+                    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
+                else:
+                    k = latent.view(batch, seqlen, 1, d)
+                q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+                seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+                line = []
+                for splits in (0, *MLA_SPLITS):
+                    def run():
+                        flashtile.flash_attn_with_kvcache(q, k, k[..., :dv], cache_seqlens=seqlens, block_table=table,
+                                                          causal=True, num_splits=splits)
+                    run()
+                    torch.cuda.synchronize()
+                    tbps = latent.numel() * latent.element_size() / triton.testing.do_bench_cudagraph(run, rep=20) / 1e9
+                    torch.cuda.synchronize()
+                    rows.append(dict(batch=batch, seqlen=seqlen, page_size=page, splits=splits, tbps=tbps))
+                    line.append(f"{splits or 'auto'}:{tbps:.2f}")
+                del latent, k
+                print(f"b{batch:<3d} {seqlen // 1024:>2d}k p{page:<3d} " + " ".join(line), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--splits", action="store_true")
+    ap.add_argument("--mla", action="store_true")
     args = ap.parse_args()
     if args.splits:
         return sweep_splits(args.json)
+    if args.mla:
+        return sweep_mla(args.json)
     base = config.DECODE_TABLE[128]
     settings = [("table", {}, {})]
     for bn in (32, 128):

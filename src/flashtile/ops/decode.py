@@ -48,9 +48,9 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 # A split also reads at least PARTIAL_SHARE times the bytes of the fp32 partial state it writes, which the
 # combine reads back: binding only where a tile's rows carry a wide V, as absorbed MLA decode's 16 heads x 512
 # channels (32 KB of state against 36 KB of cache a key block). There, at 16 sequences of 4k tokens, 32 splits of 4
-# blocks read 1.37 TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs, one sweep of
-# num_splits); at 8k, 32 splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k on, or from
-# 32 sequences, the rule leaves the wave's count.
+# blocks read 1.37 TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs,
+# tools/tune_decode.py --mla); at 8k, 32 splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k
+# on, or from 32 sequences, the rule leaves the wave's count.
 PROGRAMS_PER_SM = 4
 REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
