@@ -50,7 +50,9 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 # channels (32 KB of state against 36 KB of cache a key block). There, at 16 sequences of 4k tokens, 32 splits of 4
 # blocks read 1.37 TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs,
 # tools/tune_decode.py --mla); at 8k, 32 splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k
-# on, or from 32 sequences, the rule leaves the wave's count.
+# on, or from 32 sequences, the rule leaves the wave's count. It also binds at 32 or more packed rows of any head
+# dim (GQA 8 with 4 query tokens, GQA 32 with one; d128 and 64 rows: 16 blocks) on caches short enough that the
+# blocks, not the wave, bound the splits: the same trade, not measured there.
 PROGRAMS_PER_SM = 4
 REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
