@@ -197,9 +197,14 @@ def scenarios():
             ("d128 chunk causal", lambda: dense(128, BF16, causal=True, attention_chunk=48)),
             ("d128 chunk", lambda: dense(128, BF16, h=4, hk=4, attention_chunk=48)),
             ("d128 varlen chunk causal", lambda: varlen(128, BF16, h=2, hk=2, causal=True, attention_chunk=48))]
-    # head_dim_v != head_dim: MLA prefill (192, 128) with every feature (config.NARROW_V's tiles), the pair
-    # (128, 64), v wider than q/k, and paged.
+    # head_dim_v != head_dim: MLA prefill (192, 128) on the Gluon forward's variants and with every feature
+    # (config.NARROW_V's tiles), the pair (128, 64), v wider than q/k, and paged.
     out += [("d192 v128 causal", lambda: dense(192, BF16, dv=128, causal=True)),
+            ("d192 v128 dense", lambda: dense(192, BF16, dv=128, h=4, hk=4, backward=False)),
+            ("d192 v128 varlen window sink", lambda: varlen(192, BF16, dv=128, window_size=(40, 8), backward=False,
+                                                            learnable_sink=torch.rand(4))),
+            ("d192 v128 varlen chunk causal", lambda: varlen(192, BF16, dv=128, h=2, hk=2, causal=True,
+                                                             attention_chunk=48)),
             ("d192 v128 everything", lambda: dense(192, BF16, dv=128, alibi_slopes=torch.rand(4), dropout_p=0.1,
                                                    learnable_sink=torch.rand(4), **every)),
             ("d192 v128 varlen everything", lambda: varlen(192, BF16, dv=128, seqused=True,

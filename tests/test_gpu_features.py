@@ -10,6 +10,7 @@ import torch
 import flashtile
 from flashtile.testing import attention_ref, check_attention, check_close, nan_guarded
 from test_chunked import chunk_case, chunk_varlen_case
+from test_head_dim_v import dv_varlen_case
 from test_sinks import sink_case, sink_varlen_case
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +79,42 @@ def test_chunked_on_the_hopper_kernels(device, case):
 @pytest.mark.parametrize("dims", [(192, 128), (128, 64), (64, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
 def test_head_dim_v(device, dims):
     _case(device, 1100, 4, 2, dims[0], dims[1], causal=True)
+
+
+@pytest.mark.parametrize("case", ["causal", "none", "window-sink", "chunk", "fp16-mqa", "varlen", "varlen-causal"])
+def test_mla_prefill_on_the_hopper_forward(device, case):
+    """q/k 192 with v 128 (DeepSeek-V3/Kimi prefill) runs the Gluon forward on an sm_90 GPU, reading Q and K as
+    128 + 64 columns, and the Triton backward: lengths that end inside and on the edges of the 64-row query and
+    128-key tiles, GQA and MQA, fp16, windows with a sink, chunks, ragged varlen sequences (0, 1, 129 tokens);
+    out, lse and every gradient against the reference, then the paths the calls took."""
+    if case.startswith("varlen"):
+        dv_varlen_case(device, [700, 0, 1, 129, 1000], [900, 5, 300, 129, 1000], 4, 2, 192, 128, torch.bfloat16,
+                       case == "varlen-causal")
+    elif case == "window-sink":
+        g = torch.Generator().manual_seed(4)
+        sink = torch.randn(4, generator=g).to(device)
+        _dims_case(device, 2, 700, 900, 4, 2, causal=True, window_size=(127, 0), learnable_sink=sink)
+    else:
+        kw = {"causal": dict(causal=True), "none": {}, "chunk": dict(causal=True, attention_chunk=192),
+              "fp16-mqa": dict(causal=True)}[case]
+        heads = (4, 1) if case == "fp16-mqa" else (4, 2)
+        dtype = torch.float16 if case == "fp16-mqa" else torch.bfloat16
+        _dims_case(device, 2, 1000 if case == "none" else 700, 1000 if case == "none" else 900, *heads,
+                   dtype=dtype, **kw)
+    paths = flashtile.kernel_paths(*(torch.empty(1, 1, 4, d, device=device, dtype=torch.bfloat16)
+                                     for d in (192, 192, 128)))
+    if paths["fwd"] == "gluon-sm90":
+        assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton"}
+
+
+def _dims_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim=192, head_dim_v=128,
+               dtype=torch.bfloat16, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    q = nan_guarded((batch, seqlen_q, nheads, head_dim), dtype, device, g)
+    k = nan_guarded((batch, seqlen_k, nheads_kv, head_dim), dtype, device, g)
+    v = nan_guarded((batch, seqlen_k, nheads_kv, head_dim_v), dtype, device, g)
+    dout = torch.randn(batch, seqlen_q, nheads, head_dim_v, generator=g).to(device, dtype)
+    check_attention(q, k, v, dout, **kw)
 
 
 @pytest.mark.parametrize("head_dim", [512, 448])

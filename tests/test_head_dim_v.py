@@ -85,19 +85,22 @@ def test_dropout_matches_its_mask(device):
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_varlen(device, mask):
     """Sequences of 0, 1 and ragged lengths, GQA, q/k 48 and v 32, against the reference per sequence."""
-    lens_q, lens_k = [17, 0, 1, 40], [23, 5, 1, 33]
-    g = torch.Generator().manual_seed(6)
-    q = nan_guarded((sum(lens_q), 4, 48), torch.float16, device, g)
-    k = nan_guarded((sum(lens_k), 2, 48), torch.float16, device, g)
-    v = nan_guarded((sum(lens_k), 2, 32), torch.float16, device, g)
-    dout = torch.randn(sum(lens_q), 4, 32, generator=g).to(device, torch.float16)
+    dv_varlen_case(device, [17, 0, 1, 40], [23, 5, 1, 33], 4, 2, 48, 32, torch.float16, mask == "causal")
+
+
+def dv_varlen_case(device, lens_q, lens_k, nheads, nheads_kv, head_dim, head_dim_v, dtype, causal, seed=6):
+    """flash_attn_varlen_func with v's own head dim: out and dq, dk, dv per sequence against the reference."""
+    g = torch.Generator().manual_seed(seed)
+    q = nan_guarded((sum(lens_q), nheads, head_dim), dtype, device, g)
+    k = nan_guarded((sum(lens_k), nheads_kv, head_dim), dtype, device, g)
+    v = nan_guarded((sum(lens_k), nheads_kv, head_dim_v), dtype, device, g)
+    dout = torch.randn(sum(lens_q), nheads, head_dim_v, generator=g).to(device, dtype)
     cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
           for n in (lens_q, lens_k)]
-    causal = mask == "causal"
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     out = flashtile.flash_attn_varlen_func(*inputs, *cu, max(lens_q), max(lens_k), causal=causal)
     grads = torch.autograd.grad(out, inputs, dout)
-    assert out.shape == (sum(lens_q), 4, 32)
+    assert out.shape == (sum(lens_q), nheads, head_dim_v)
     for b, (rq, rk) in enumerate(zip((slice(a, c) for a, c in zip(cu[0][:-1], cu[0][1:])),
                                      (slice(a, c) for a, c in zip(cu[1][:-1], cu[1][1:])))):
         if rq.stop == rq.start:
@@ -317,11 +320,16 @@ def test_bad_cache_shapes(device):
 
 
 def test_hopper_reason():
-    """The Gluon kernels take one head dim: a call with two runs the Triton kernels, and kernel_paths says why."""
+    """The Gluon kernels take 128/128 and, the forward only, MLA prefill's 192/128; other pairs run the Triton
+    kernels, and the reason says which pairs the Gluon ones take."""
     from flashtile.ops.hopper import feature_unsupported
-    assert feature_unsupported(torch.bfloat16, 128, head_dim_v=128) is None
+    assert feature_unsupported(torch.bfloat16, 128, head_dim_v=128, backward=True) is None
+    assert feature_unsupported(torch.bfloat16, 192, head_dim_v=128) is None
+    assert feature_unsupported(torch.bfloat16, 192, head_dim_v=128, backward=True) == (
+        "head dims (q/k 192, v 128): the Gluon backward takes (128, 128)")
     assert feature_unsupported(torch.bfloat16, 128, head_dim_v=64) == (
-        "head_dim_v 64 != head_dim 128: the Gluon kernels take one head dim")
+        "head dims (q/k 128, v 64): the Gluon forward takes (128, 128), (192, 128)")
+    assert "(q/k 192, v 192)" in feature_unsupported(torch.bfloat16, 192)
 
 
 def test_fake_shapes_and_compile(device):
@@ -358,12 +366,14 @@ def test_fake_shapes_and_compile(device):
 def test_narrow_v_tiles_reach_every_launch(monkeypatch):
     """config.NARROW_V's tiles (MLA prefill: q/k 192 padded to 256 beside v 128) are the ones a 192/128 call
     launches, forward, dQ and dK/dV alike, with the dQ kernel's varlen tile list; a d256 v keeps the table's.
-    The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    The launches as on an sm_90 GPU (capture_launches: recorded, not run) with the Gluon path off, as on other
+    GPUs (on sm_90, 192/128's forward runs the Gluon kernel: tests/test_hopper.py)."""
     from flashtile import env
     from flashtile.config import NARROW_V, TABLE
     from flashtile.ops.launch import capture_launches
 
     monkeypatch.setattr(env, "INTERPRET", False)  # the GPU's tile table, not the interpreter's tiles
+    monkeypatch.setenv("FLASHTILE_HOPPER", "0")
     cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
     for dv, tiles in ((128, NARROW_V), (256, {kernel: {(256, 256): TABLE[kernel][256]} for kernel in TABLE})):
         q, k = (torch.randn(300, 4, 192, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))

@@ -32,8 +32,10 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
 
 @pytest.mark.parametrize("kw, reason", [
     (dict(dtype=torch.float32), "dtype torch.float32"),
-    (dict(head_dim=64), "head dim 64"),
-    (dict(head_dim=256), "head dim 256"),
+    (dict(head_dim=64), "head dims (q/k 64, v 64)"),
+    (dict(head_dim=256), "head dims (q/k 256, v 256)"),
+    (dict(head_dim=192), "head dims (q/k 192, v 192)"),
+    (dict(head_dim=128, head_dim_v=64), "head dims (q/k 128, v 64)"),
     (dict(paged=True), "paged K/V"),
     (dict(seqused=True), "seqused_q/seqused_k"),
     (dict(softcap=30.0), "softcap"),
@@ -135,7 +137,8 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     q, k = t["q"], t["k"]
     # Host descriptors, in the kernel's order, each over its tensor with its box, dense or varlen (Note [varlen
     # descriptors]).
-    order = {"fwd": ("q", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv"),
+    # Q2 and K2 of the forward: Q and K, unused without a tail.
+    order = {"fwd": ("q", "q", "k", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv"),
              "bwd_dq": ("q", "k", "v", "dout", "dq")}[which]
     descs = [d for d in dynamic if hasattr(d, "block_shape")]
     assert [d.base for d in descs] == [t[n] for n in order]
@@ -196,8 +199,10 @@ def test_fallback_is_logged_once_per_reason(fake_sm90, monkeypatch, caplog):
             hopper.log_fallback(CUDA, torch.bfloat16, 128, softcap=30.0)
         hopper.log_fallback(CUDA, torch.bfloat16, 128)
         hopper.log_fallback(CUDA, torch.bfloat16, 64)
+        hopper.log_fallback(CUDA, torch.bfloat16, 192, head_dim_v=128)
     messages = [r.getMessage() for r in caplog.records if r.name == "flashtile"]
-    assert len(messages) == 2 and "softcap" in messages[0] and "head dim 64" in messages[1]
+    assert len(messages) == 3 and "softcap" in messages[0] and "(q/k 64, v 64)" in messages[1]
+    assert messages[2].endswith("backward: head dims (q/k 192, v 128): the Gluon backward takes (128, 128)")
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
@@ -257,3 +262,37 @@ def test_descriptor_fields_under_a_launch_key_are_checked(monkeypatch):
     assert hopper._descs(key, (a, 64))[0].base is a
     with pytest.raises(AssertionError, match="does not determine the descriptors"):
         hopper._descs(key, (b, 64))
+
+
+@pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_mla_prefill_runs_the_gluon_forward_and_the_triton_backward(monkeypatch, varlen):
+    """q/k 192 with v 128 on an sm_90 GPU: the Gluon forward reads Q and K as 128 + 64 columns through descriptors
+    over each part (config.head_dim_parts), V and O as 128; the backward runs the Triton kernels, and kernel_paths
+    and last_kernel_paths say so. The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    from flashtile.ops.launch import capture_launches
+
+    monkeypatch.setattr(env, "INTERPRET", False)
+    g = torch.Generator().manual_seed(0)
+    shape = (300, 4) if varlen else (2, 150, 4)
+    q, k = (torch.randn(*shape, 192, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    v = torch.randn(*shape, 128, generator=g).to(torch.bfloat16).requires_grad_()
+    cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+    with capture_launches() as launches:
+        if varlen:
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, causal=True)
+        else:
+            out = flashtile.flash_attn_func(q, k, v, causal=True)
+            paths = flashtile.kernel_paths(q, k, v, causal=True)
+            assert paths == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton",
+                             "reason": "backward: head dims (q/k 192, v 128): the Gluon backward takes (128, 128)"}
+        out.backward(torch.randn_like(out))
+    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton"}
+    (fwd,) = [launch for launch in launches if launch.kernel.__name__ == "_hopper_fwd_kernel"]
+    assert (fwd.kwargs["HEAD_DIM"], fwd.kwargs["HEAD_DIM_TAIL"]) == (128, 64)
+    descs = [a for a in fwd.args if hasattr(a, "block_shape")]
+    assert [d.block_shape[-1] for d in descs] == [128, 64, 128, 64, 128, 128]  # Q, Q2, K, K2, V, O
+    for d, t in zip(descs[:4], (q, q, k, k)):
+        assert d.base.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert [d.base.data_ptr() - descs[i - 1].base.data_ptr() for i, d in ((1, descs[1]), (3, descs[3]))] == [256] * 2
+    assert {launch.kernel.__name__ for launch in launches} >= {"_bwd_dq_kernel", "_bwd_dkdv_kernel"}

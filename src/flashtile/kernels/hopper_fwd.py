@@ -27,7 +27,8 @@ whose rows see only the first half of the last key block computes that block at 
 block]).
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
-(total, H, D) batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
+(total, H, D) batches, fp16/bf16, D 128, and MLA prefill's q/k 192 with v 128 (HEAD_DIM_TAIL: S = Q Kᵀ over
+128 + 64 columns, two wgmmas into one accumulator, _scores), MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
 (MASK_CHUNK: kv_block_range and apply_mask take the chunk, as everywhere else), learnable sinks
 (HAS_SINK: SINK, fp32 (H,), joins each row's denominator after its last key block, as softmax.fold_sink; the
 backward needs nothing more, its P comes from this LSE). Not softcap, ALiBi, dropout, seqused or paged K/V.
@@ -47,22 +48,31 @@ from .softmax import sink_state
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, held, k_ring, v_ring, b, h, hk, m_start, lo, n_blocks,
-               q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_s, q2_s, k_s, k2_s, v_s, held, k_ring, v_ring, b, h, hk,
+               m_start, lo, n_blocks, q_row0, k_row0, it0, q0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM_TAIL: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The loads of one work item: its two Q tiles into Q buffers q0 and q0 + 1, then its key blocks into the K and
-    V rings from ring position it0 on. q_row0 and k_row0: where the sequence's rows start in the packed tensors
-    (varlen; 0 for a dense batch, whose descriptors take the sequence b)."""
+    V rings from ring position it0 on (with HEAD_DIM_TAIL, each Q and K tile's tail columns into q2_s and k2_s on
+    the same barrier). q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a
+    dense batch, whose descriptors take the sequence b)."""
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM_TAIL > 0 else 0)
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM_TAIL > 0 else 0)
     for c in gl.static_range(2):
-        mbarrier.expect(held.index(q0 + c), q_desc.block_type.nbytes)
-        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, held.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
+        row = q_row0 + m_start + c * BLOCK_M
+        mbarrier.expect(held.index(q0 + c), q_bytes)
+        tma_load(q_desc, b, row, h, held.index(q0 + c), q_s.index(q0 + c), IS_VARLEN)
+        if HEAD_DIM_TAIL > 0:
+            tma_load(q2_desc, b, row, h, held.index(q0 + c), q2_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
         it = it0 + j
         k_ring.wait_empty(it)
         slot = k_ring.slot(it)
         row = k_row0 + lo + j * BLOCK_N
         # K and V in rings of their own (Note [persistent forward])
-        mbarrier.expect(k_ring.ready_bar(it), k_desc.block_type.nbytes)
+        mbarrier.expect(k_ring.ready_bar(it), k_bytes)
         tma_load(k_desc, b, row, hk, k_ring.ready_bar(it), k_s.index(slot), IS_VARLEN)
+        if HEAD_DIM_TAIL > 0:
+            tma_load(k2_desc, b, row, hk, k_ring.ready_bar(it), k2_s.index(slot), IS_VARLEN)
         v_ring.wait_empty(it)
         vslot = v_ring.slot(it)
         mbarrier.expect(v_ring.ready_bar(it), v_desc.block_type.nbytes)
@@ -128,10 +138,10 @@ def _read_item(slot):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
-            CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-            MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _loader(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, COUNTER, TILES,
+            CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+            MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A persistent program's loader (Note [persistent forward]): it takes the next item from the work counter,
     describes it to the consumers and loads its Q into its set of Q buffers (hopper_common.BufferSets), once both
     consumers have handed that set back; the K/V rings run on from item to item. The first item past the list (a
@@ -158,8 +168,9 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER
         publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks,
                      b_field, 0)  # _Item
         if valid:
-            _load_item(q_desc, k_desc, v_desc, q_s, k_s, v_s, sets.held, k_ring, v_ring, b, h, h // GROUP, m_start,
-                       lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M, BLOCK_N, IS_VARLEN)
+            _load_item(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_s, q2_s, k_s, k2_s, v_s, sets.held, k_ring, v_ring,
+                       b, h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M,
+                       BLOCK_N, HEAD_DIM_TAIL, IS_VARLEN)
             it0 += n_blocks
         else:
             sets.end(r)
@@ -198,9 +209,31 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_sc
 
 
 @gluon.jit
-def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr,
-          chunk, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
+def _scores(q_tile, q2_tile, k_s, k2_s, slot, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr,
+            HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Issue S = Q Kᵀ on the first WIDTH keys of the K tile in ring slot `slot`, asynchronously: one wgmma, or with
+    HEAD_DIM_TAIL a second over the tail columns into the same accumulator (q/k 192 as 128 + 64,
+    config.head_dim_parts: register and shared tiles are powers of two, and a 256-wide tile would spend a quarter
+    of Q Kᵀ on zeros). A wait for the one leaves neither in flight: wgmma groups complete in order."""
+    s_layout: gl.constexpr = _acc_layout(WIDTH)
+    k_tile = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    if WIDTH < BLOCK_N:
+        k_tile = k_tile.slice(0, WIDTH)
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=s_layout),
+                      use_acc=False, is_async=True)
+    if HEAD_DIM_TAIL > 0:
+        k2_tile = k2_s.index(slot).reshape([BLOCK_N, HEAD_DIM_TAIL])
+        if WIDTH < BLOCK_N:
+            k2_tile = k2_tile.slice(0, WIDTH)
+        s = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k,
+          diag, wl, wr, chunk, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+          MASK_CHUNK: gl.constexpr):
     """Key block n0 at ring position it, after the item's first: S on the block's first WIDTH keys (all of them, or
     half under Note [half last block]) is issued with the previous block's P V under it, and its softmax runs
     while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
@@ -213,11 +246,7 @@ def _step(q_tile, k_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full
     k_ring.wait_ready(it)
     v_ring.wait_ready(it - 1)  # V_{j-1}'s slot in its own ring, which the loader filled after K_{j-1}
     prev = v_ring.slot(it - 1)
-    k_tile = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    if WIDTH < BLOCK_N:
-        k_tile = k_tile.slice(0, WIDTH)
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=s_layout),
-                      use_acc=False, is_async=True)
+    s = _scores(q_tile, q2_tile, k_s, k2_s, slot, WIDTH, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N)
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_s.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
@@ -252,9 +281,10 @@ def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, b, h, m_start, lo,
-                  full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale, stride_om,
-                  stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, b, h,
+                  m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk,
+                  qk_scale, stride_om, stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr,
+                  HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
                   IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
@@ -275,16 +305,17 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
     diag = seqlen_k - seqlen_q
     m0 = m_start + c * BLOCK_M
     q_tile = q_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
+    q2_tile = q_tile  # read only with HEAD_DIM_TAIL
+    if HEAD_DIM_TAIL > 0:
+        q2_tile = q2_s.index(qi).reshape([BLOCK_M, HEAD_DIM_TAIL])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     if (n_blocks > 0) & (m0 < seqlen_q):
         first = k_ring.slot(it0)
         k_ring.wait_ready(it0)
-        s = warpgroup_mma(q_tile, k_s.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
+        s = _scores(q_tile, q2_tile, k_s, k2_s, first, BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N)
         _free_previous(free_prev, sets, sets.other(qi))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         k_ring.release(it0)  # K_0 is read
@@ -296,17 +327,18 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets
             keys_end = gl.minimum(keys_end, gl.minimum(m0 + BLOCK_M, seqlen_q) + diag + wr)
         half = (n_blocks > 1) & (keys_end - n_last <= HALF)
         for j in range(1, n_blocks - half.to(gl.int32)):
-            p, m_i, l_i, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it0 + j, lo + j * BLOCK_N, p, acc, m_i, l_i,
-                                     rows, full_lo, full_hi, seqlen_k, diag, wl, wr, chunk, qk_scale, BLOCK_N, HEAD_DIM,
-                                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+            p, m_i, l_i, acc = _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it0 + j, lo + j * BLOCK_N, p,
+                                     acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr, chunk, qk_scale,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                     MASK_CHUNK)
         it_last = it0 + n_blocks - 1
         if half:
-            p_h, m_h, l_h, acc = _step(q_tile, k_s, v_s, k_ring, v_ring, it_last, n_last, p, acc,
+            p_h, m_h, l_h, acc = _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it_last, n_last, p, acc,
                                        gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(rows, gl.SliceLayout(1, h_layout)), full_lo, full_hi,
-                                       seqlen_k, diag, wl, wr, chunk, qk_scale, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+                                       seqlen_k, diag, wl, wr, chunk, qk_scale, HALF, HEAD_DIM, HEAD_DIM_TAIL,
+                                       BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
             acc = _last_pv(p_h, acc, v_s, v_ring, it_last, seqlen_k - n_last, HALF, HEAD_DIM, BLOCK_N, IS_VARLEN)
             m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
             l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
@@ -355,8 +387,9 @@ def _free_previous(free_prev, sets, prev):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
-              qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr,
+              chunk, qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr,
+              HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
               IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th in its
@@ -374,10 +407,10 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_
             else:
                 b = item.b
                 lse_off = b.to(gl.int64) * stride_lb + item.h.to(gl.int64) * stride_lh
-            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, b, item.h, item.m_start,
-                          item.lo, item.full_lo, item.full_hi, item.n_blocks, lse_off, item.q_row0, item.seqlen_q,
-                          item.seqlen_k, wl, wr, chunk, qk_scale, stride_om, stride_oh,
-                          it0, sets.buffer(r, c), r > 0, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+            _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, b, item.h,
+                          item.m_start, item.lo, item.full_lo, item.full_hi, item.n_blocks, lse_off, item.q_row0,
+                          item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, stride_om, stride_oh, it0,
+                          sets.buffer(r, c), r > 0, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
                           MASK_CHUNK, IS_VARLEN, HAS_SINK)
             it0 += item.n_blocks
         else:
@@ -388,10 +421,11 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
+def _hopper_fwd_kernel(Q, Q2, K, K2, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
                        stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32, seqlen_k: gl.int32,
                        wl: gl.int32, wr: gl.int32, stride_om, stride_oh, n_items: gl.int32,
-                       heads: gl.int32, chunk: gl.int32, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       heads: gl.int32, chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+                       BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
                        HAS_SINK: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
@@ -402,7 +436,10 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
     unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose
     n_items are heads x tile-list entries: TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
     sequences first, and within one the last tile first), and O_PTR is O's tensor, for the last tile of a varlen
-    sequence (stride_lb is then 0). SINK: the learnable sinks (HAS_SINK; else unused).
+    sequence (stride_lb is then 0). SINK: the learnable sinks (HAS_SINK; else unused). HEAD_DIM is V's and O's head
+    dim and the first HEAD_DIM columns of Q's and K's, whose descriptors' boxes are that wide; HEAD_DIM_TAIL > 0
+    (MLA prefill's q/k 192 with v 128: 128 + 64) reads Q's and K's next HEAD_DIM_TAIL columns through Q2 and K2,
+    descriptors over those columns (else Q2 and K2 are unused).
 
     Note [persistent forward]: a program of this kernel pays a fixed cost besides its key blocks. Timed
     inside the kernel (globaltimer and clock64 at each phase, H200): its start 0.4 µs (0.9 with the
@@ -453,6 +490,11 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
     VS: gl.constexpr = STAGES
     k_s = tile_buffers(K, KS, BLOCK_N, HEAD_DIM, IS_VARLEN)
     v_s = tile_buffers(V, VS, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    k2_s = k_s  # the tails' buffers, used only with HEAD_DIM_TAIL
+    q2_s = k_s
+    if HEAD_DIM_TAIL > 0:
+        k2_s = tile_buffers(K2, KS, BLOCK_N, HEAD_DIM_TAIL, IS_VARLEN)
+        q2_s = tile_buffers(Q2, 4, BLOCK_M, HEAD_DIM_TAIL, IS_VARLEN)
     v_ready = barrier_array(VS, 1)  # V's ring: ring_barriers' ready and empty are K's
     v_empty = barrier_array(VS, 2)
     # Two sets of Q buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
@@ -464,13 +506,13 @@ def _hopper_fwd_kernel(Q, K, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQ
     k_ring = Ring(ready, empty, KS)
     v_ring = Ring(v_ready, v_empty, VS)
     gl.warp_specialize([
-        (_consumer, (0, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk, qk_scale, stride_lb,
-                     stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                     IS_VARLEN, HAS_SINK)),
-        (_consumer, (1, O, O_PTR, LSE, SINK, q_s, k_s, v_s, sets, k_ring, v_ring, wl, wr, chunk, qk_scale, stride_lb,
-                     stride_lh, stride_om, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                     IS_VARLEN, HAS_SINK)),
-        (_loader, (Q, K, V, q_s, k_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                   seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT,
-                   MASK_CHUNK, IS_VARLEN)),
+        (_consumer, (0, O, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
+                     qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N,
+                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK)),
+        (_consumer, (1, O, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
+                     qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N,
+                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK)),
+        (_loader, (Q, Q2, K, K2, V, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
+                   CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, HEAD_DIM_TAIL,
+                   GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -3,13 +3,14 @@
 Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
-(config.HOPPER), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and sliding windows, chunked
-attention, learnable sinks. Everything else (softcap, ALiBi, dropout, seqused_q/k, paged K/V, other head dims or
-dtypes, a v head dim other than q's, other GPUs,
-the interpreter) runs the Triton kernels. `hopper_unsupported` is the one
-decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when the
-answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward and
-backward ran. FLASHTILE_HOPPER=0 switches the path off.
+(config.HOPPER), and the forward also MLA prefill's q/k 192 with v 128 (gluon_head_dims), dense and varlen batches,
+MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention, learnable sinks. Everything else
+(softcap, ALiBi, dropout, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
+Triton kernels, as does the backward of 192/128, whose Q and K buffers would not fit the Gluon backward's shared
+memory. `hopper_unsupported` is the one decision: the ops ask it on every call, for the forward and the backward,
+and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no; a backward runs the Gluon
+kernels only where its forward does. `last_kernel_paths` says which kernels the last forward and backward ran.
+FLASHTILE_HOPPER=0 switches the path off.
 
 The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter (Notes
 [persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
@@ -32,7 +33,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..config import HOPPER, HopperConfig
+from ..config import HOPPER, HopperConfig, head_dim_parts
 from ..problem import kernel_flags
 from .descriptors import kernel_strides_of
 from .device import capability, on_gpu, sm_count
@@ -58,9 +59,10 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None,
                        paged: bool = False, seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False) -> Optional[str]:
-    """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
-    `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the padded ones the kernels see."""
+                       dropout: bool = False, backward: bool = False) -> Optional[str]:
+    """None when a call with these properties runs the Gluon Hopper kernels (its forward, or with `backward` its
+    backward's); otherwise why it does not. `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the
+    padded ones the kernels see."""
     if env.INTERPRET:
         return "the Triton interpreter runs the Triton kernels"
     if not env.hopper():
@@ -73,20 +75,22 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     return feature_unsupported(dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused, softcap=softcap,
-                               alibi=alibi, dropout=dropout)
+                               alibi=alibi, dropout=dropout, backward=backward)
 
 
 def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None, paged: bool = False,
-                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                        dropout: bool = False) -> Optional[str]:
+                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
+                        backward: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
-    if head_dim not in HOPPER["fwd"]:
-        return f"head dim {head_dim}: the Gluon kernels take {sorted(HOPPER['fwd'])}"
-    if head_dim_v is not None and head_dim_v != head_dim:
-        return f"head_dim_v {head_dim_v} != head_dim {head_dim}: the Gluon kernels take one head dim"
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    pairs = gluon_head_dims(backward)
+    if (head_dim, head_dim_v) not in pairs:
+        what = "backward" if backward else "forward"
+        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the Gluon {what} takes "
+                + ", ".join(f"({d}, {dv})" for d, dv in pairs))
     if not (paged or seqused or softcap > 0.0 or alibi or dropout):  # the common case, without building the list
         return None
     for cond, what in ((paged, "paged K/V"), (seqused, "seqused_q/seqused_k"),
@@ -96,18 +100,34 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
     return None
 
 
+@functools.cache
+def gluon_head_dims(backward: bool = False) -> tuple[tuple[int, int], ...]:
+    """The (q/k, v) head dims the Gluon forward (or all of the backward's kernels) takes: config.HOPPER's, each
+    with the v head dim of its q/k head dim's first part (config.head_dim_parts: 128 at 128, and MLA prefill's 192
+    read as 128 + 64, whose v is 128), which is the width O's tile shares with Q's first (the forward stages O in
+    Q's buffer)."""
+    dims = set(HOPPER["fwd"])
+    if backward:
+        dims &= set(HOPPER["bwd_dq"]) & set(HOPPER["bwd_dkdv"])
+    return tuple((d, head_dim_parts(d)[0]) for d in sorted(dims))
+
+
 _log = logging.getLogger("flashtile")
 _LOGGED: set[str] = set()
 
 
 def log_fallback(device: torch.device, dtype: torch.dtype, head_dim: int, **features) -> None:
     """On an sm_90 device, log once per reason (at DEBUG, logger "flashtile") that a call runs the Triton kernels
-    instead of the Gluon ones, and why (`features`: hopper_unsupported's keywords). The public API calls it only
+    instead of the Gluon ones, and why (`features`: hopper_unsupported's keywords but `backward`; a backward-only
+    reason, as MLA prefill's, is logged with its forward's call). The public API calls it only
     when that logger takes DEBUG records, so an ordinary call pays one isEnabledFor check; the decision itself stays
     with ops/call.py."""
     if not on_gpu(device) or capability(device) != (9, 0):
         return
     reason = hopper_unsupported(device, dtype, head_dim, **features)
+    if reason is None:
+        reason = hopper_unsupported(device, dtype, head_dim, **features, backward=True)
+        reason = None if reason is None else f"backward: {reason}"
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)
         _log.debug("flashtile: sm_90 call runs the Triton kernels, not the Gluon ones: %s", reason)
@@ -170,11 +190,10 @@ def _desc_fields(shape: torch.Size, stride: tuple, dtype: torch.dtype, rows: int
 
 
 def _constexprs(cfg: HopperConfig, q: torch.Tensor, k: torch.Tensor, window_left: int, window_right: int,
-                attention_chunk: int, varlen: bool) -> dict:
-    """The constexprs every Gluon kernel takes: tile, head dim, GQA group, mask flags."""
-    nheads, head_dim = q.shape[-2:]
-    return dict(_shared_constexprs(cfg, head_dim, nheads // k.shape[-2], window_left >= 0, window_right >= 0,
-                                   attention_chunk > 0, varlen))
+                attention_chunk: int, varlen: bool, head_dim: Optional[int] = None) -> dict:
+    """The constexprs every Gluon kernel takes: tile, head dim (q's unless given), GQA group, mask flags."""
+    return dict(_shared_constexprs(cfg, q.shape[-1] if head_dim is None else head_dim, q.shape[-2] // k.shape[-2],
+                                   window_left >= 0, window_right >= 0, attention_chunk > 0, varlen))
 
 
 @functools.lru_cache(maxsize=256)
@@ -208,6 +227,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     one from the arguments."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
+    first, tail = head_dim_parts(head_dim)
     varlen = cu_seqlens_q is not None
     programs = sm_count(q.device)
     # Persistent (Note [persistent forward] in kernels/hopper_fwd.py): one program per SM over the work items,
@@ -228,12 +248,18 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
                           wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
                           stride_oh=out.stride(1), n_items=n_items, heads=nheads)
         return StaticByName(_persistent_grid(n_items, programs), static,
-                            dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen),
-                                 HAS_SINK=learnable_sink is not None))
+                            dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
+                                 HEAD_DIM_TAIL=tail, HAS_SINK=learnable_sink is not None))
 
     key = None if key is None else (key, programs, 0)
-    Q, K, V, O = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))
-    dynamic = dict(Q=Q, K=K, V=V, O=O, O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
+    if tail:  # Q's and K's first columns and their tail through descriptors of their own (HEAD_DIM_TAIL)
+        Q, Q2, K, K2, V, O = _descs(key, (q[..., :first], cfg.block_m), (q[..., first:], cfg.block_m),
+                                    (k[..., :first], cfg.block_n), (k[..., first:], cfg.block_n), (v, cfg.block_n),
+                                    (out, cfg.block_m))
+    else:
+        Q, K, V, O = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))
+        Q2, K2 = Q, K
+    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, O=O, O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[0] if varlen else dense_counter(q.device, 0), qk_scale=qk_scale)
     launch_named(_hopper_fwd_kernel, dynamic, statics, num_warps=4, key=key)
