@@ -200,8 +200,8 @@ def scenarios():
     # head_dim_v != head_dim: MLA prefill (192, 128) on the Gluon forward's variants and with every feature
     # (config.NARROW_V's tiles), the pair (128, 64), v wider than q/k, and paged.
     out += [("d192 v128 causal", lambda: dense(192, BF16, dv=128, causal=True)),
-            ("d192 v128 dense", lambda: dense(192, BF16, dv=128, h=4, hk=4, backward=False)),
-            ("d192 v128 varlen window sink", lambda: varlen(192, BF16, dv=128, window_size=(40, 8), backward=False,
+            ("d192 v128 dense", lambda: dense(192, BF16, dv=128, h=4, hk=4)),
+            ("d192 v128 varlen window sink", lambda: varlen(192, BF16, dv=128, window_size=(40, 8),
                                                             learnable_sink=torch.rand(4))),
             ("d192 v128 varlen chunk causal", lambda: varlen(192, BF16, dv=128, h=2, hk=2, causal=True,
                                                              attention_chunk=48)),

@@ -83,10 +83,11 @@ def test_head_dim_v(device, dims):
 
 @pytest.mark.parametrize("case", ["causal", "none", "window-sink", "chunk", "fp16-mqa", "varlen", "varlen-causal"])
 def test_mla_prefill_on_the_hopper_forward(device, case):
-    """q/k 192 with v 128 (DeepSeek-V3/Kimi prefill) runs the Gluon forward on an sm_90 GPU, reading Q and K as
-    128 + 64 columns, and the Triton backward: lengths that end inside and on the edges of the 64-row query and
+    """q/k 192 with v 128 (DeepSeek-V3/Kimi prefill) runs the Gluon kernels on an sm_90 GPU, reading Q, K, dQ and
+    dK as 128 + 64 columns (Note [head dim parts] in kernels/hopper_common.py): lengths that end inside and on the edges of the 64-row query and
     128-key tiles, GQA and MQA, fp16, windows with a sink, chunks, ragged varlen sequences (0, 1, 129 tokens);
-    out, lse and every gradient against the reference, then the paths the calls took."""
+    out, lse and every gradient against the reference, then the paths the calls took (check_attention's call
+    last; a varlen case's)."""
     if case.startswith("varlen"):
         dv_varlen_case(device, [700, 0, 1, 129, 1000], [900, 5, 300, 129, 1000], 4, 2, 192, 128, torch.bfloat16,
                        case == "varlen-causal")
@@ -101,10 +102,7 @@ def test_mla_prefill_on_the_hopper_forward(device, case):
         dtype = torch.float16 if case == "fp16-mqa" else torch.bfloat16
         _dims_case(device, 2, 1000 if case == "none" else 700, 1000 if case == "none" else 900, *heads,
                    dtype=dtype, **kw)
-    paths = flashtile.kernel_paths(*(torch.empty(1, 1, 4, d, device=device, dtype=torch.bfloat16)
-                                     for d in (192, 192, 128)))
-    if paths["fwd"] == "gluon-sm90":
-        assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton"}
+    _assert_the_last_call_ran_gluon(device)
 
 
 def _dims_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim=192, head_dim_v=128,

@@ -320,15 +320,13 @@ def test_bad_cache_shapes(device):
 
 
 def test_hopper_reason():
-    """The Gluon kernels take 128/128 and, the forward only, MLA prefill's 192/128; other pairs run the Triton
-    kernels, and the reason says which pairs the Gluon ones take."""
+    """The Gluon kernels take 128/128 and MLA prefill's 192/128; other pairs run the Triton kernels, and the reason
+    says which pairs the Gluon ones take."""
     from flashtile.ops.hopper import feature_unsupported
-    assert feature_unsupported(torch.bfloat16, 128, head_dim_v=128, backward=True) is None
+    assert feature_unsupported(torch.bfloat16, 128, head_dim_v=128) is None
     assert feature_unsupported(torch.bfloat16, 192, head_dim_v=128) is None
-    assert feature_unsupported(torch.bfloat16, 192, head_dim_v=128, backward=True) == (
-        "head dims (q/k 192, v 128): the Gluon backward takes (128, 128)")
     assert feature_unsupported(torch.bfloat16, 128, head_dim_v=64) == (
-        "head dims (q/k 128, v 64): the Gluon forward takes (128, 128), (192, 128)")
+        "head dims (q/k 128, v 64): the Gluon kernels take (128, 128), (192, 128)")
     assert "(q/k 192, v 192)" in feature_unsupported(torch.bfloat16, 192)
 
 

@@ -137,9 +137,10 @@ def test_launch_arguments_match_the_kernels(monkeypatch, device, which, varlen):
     q, k = t["q"], t["k"]
     # Host descriptors, in the kernel's order, each over its tensor with its box, dense or varlen (Note [varlen
     # descriptors]).
-    # Q2 and K2 of the forward: Q and K, unused without a tail.
-    order = {"fwd": ("q", "q", "k", "k", "v", "out"), "bwd_dkdv": ("q", "k", "v", "dout", "dk", "dv"),
-             "bwd_dq": ("q", "k", "v", "dout", "dq")}[which]
+    # Q2, K2, dQ2 and dK2: Q, K, dQ and dK, unused without a tail (Note [head dim parts]).
+    order = {"fwd": ("q", "q", "k", "k", "v", "out"),
+             "bwd_dkdv": ("q", "q", "k", "k", "v", "dout", "dk", "dk", "dv"),
+             "bwd_dq": ("q", "q", "k", "k", "v", "dout", "dq", "dq")}[which]
     descs = [d for d in dynamic if hasattr(d, "block_shape")]
     assert [d.base for d in descs] == [t[n] for n in order]
     rows = [constexprs["BLOCK_N" if n in ("k", "v", "dk", "dv") else "BLOCK_M"] for n in order]
@@ -201,8 +202,7 @@ def test_fallback_is_logged_once_per_reason(fake_sm90, monkeypatch, caplog):
         hopper.log_fallback(CUDA, torch.bfloat16, 64)
         hopper.log_fallback(CUDA, torch.bfloat16, 192, head_dim_v=128)
     messages = [r.getMessage() for r in caplog.records if r.name == "flashtile"]
-    assert len(messages) == 3 and "softcap" in messages[0] and "(q/k 64, v 64)" in messages[1]
-    assert messages[2].endswith("backward: head dims (q/k 192, v 128): the Gluon backward takes (128, 128)")
+    assert len(messages) == 2 and "softcap" in messages[0] and "(q/k 64, v 64)" in messages[1]
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
@@ -266,10 +266,11 @@ def test_descriptor_fields_under_a_launch_key_are_checked(monkeypatch):
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_mla_prefill_runs_the_gluon_forward_and_the_triton_backward(monkeypatch, varlen):
-    """q/k 192 with v 128 on an sm_90 GPU: the Gluon forward reads Q and K as 128 + 64 columns through descriptors
-    over each part (config.head_dim_parts), V and O as 128; the backward runs the Triton kernels, and kernel_paths
-    and last_kernel_paths say so. The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+def test_mla_prefill_reads_q_and_k_in_two_parts(monkeypatch, varlen):
+    """q/k 192 with v 128 on an sm_90 GPU runs the Gluon kernels, forward and backward, reading Q, K, dQ and dK as
+    128 + 64 columns through a descriptor over each part (Note [head dim parts] in kernels/hopper_common.py): the
+    second over the same storage, 128 elements in; V, O and dO whole. The launches as on an sm_90 GPU
+    (capture_launches: recorded, not run)."""
     from flashtile.ops.launch import capture_launches
 
     monkeypatch.setattr(env, "INTERPRET", False)
@@ -283,16 +284,18 @@ def test_mla_prefill_runs_the_gluon_forward_and_the_triton_backward(monkeypatch,
             out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, causal=True)
         else:
             out = flashtile.flash_attn_func(q, k, v, causal=True)
-            paths = flashtile.kernel_paths(q, k, v, causal=True)
-            assert paths == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton",
-                             "reason": "backward: head dims (q/k 192, v 128): the Gluon backward takes (128, 128)"}
+            assert flashtile.kernel_paths(q, k, v, causal=True)["reason"] is None
         out.backward(torch.randn_like(out))
-    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton"}
-    (fwd,) = [launch for launch in launches if launch.kernel.__name__ == "_hopper_fwd_kernel"]
-    assert (fwd.kwargs["HEAD_DIM"], fwd.kwargs["HEAD_DIM_TAIL"]) == (128, 64)
-    descs = [a for a in fwd.args if hasattr(a, "block_shape")]
-    assert [d.block_shape[-1] for d in descs] == [128, 64, 128, 64, 128, 128]  # Q, Q2, K, K2, V, O
-    for d, t in zip(descs[:4], (q, q, k, k)):
-        assert d.base.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-    assert [d.base.data_ptr() - descs[i - 1].base.data_ptr() for i, d in ((1, descs[1]), (3, descs[3]))] == [256] * 2
-    assert {launch.kernel.__name__ for launch in launches} >= {"_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "gluon-sm90", "bwd_dkdv": "gluon-sm90"}
+    widths = {"_hopper_fwd_kernel": [128, 64, 128, 64, 128, 128],  # Q, Q2, K, K2, V, O
+              "_hopper_dq_kernel": [128, 64, 128, 64, 128, 128, 128, 64],  # Q, Q2, K, K2, V, dO, dQ, dQ2
+              "_hopper_dkdv_kernel": [128, 64, 128, 64, 128, 128, 128, 64, 128]}  # ..., dO, dK, dK2, dV
+    for name, want in widths.items():
+        (launch,) = [launch for launch in launches if launch.kernel.__name__ == name]
+        assert (launch.kwargs["HEAD_DIM"], launch.kwargs["HEAD_DIM_TAIL"]) == (128, 64), name
+        descs = [a for a in launch.args if hasattr(a, "block_shape")]
+        assert [d.block_shape[-1] for d in descs] == want, name
+        for first, tail in ((0, 1), (2, 3), *(((6, 7),) if name != "_hopper_fwd_kernel" else ())):
+            a, b = descs[first].base, descs[tail].base
+            assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), name
+            assert b.data_ptr() - a.data_ptr() == 128 * 2 and a.stride() == b.stride(), name

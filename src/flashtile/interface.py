@@ -15,8 +15,7 @@ from .autograd import attention
 from .ops.common import PACK_KV, PACK_NONE, PACK_QKV, call, unpack
 from .ops.device import require_runnable
 from .ops.dropout import draw_rng, dropout_probs
-from .ops.hopper import (HOPPER_PATH, TRITON, fallback_logging, feature_unsupported, hopper_unsupported,
-                         log_fallback)
+from .ops.hopper import HOPPER_PATH, TRITON, fallback_logging, hopper_unsupported, log_fallback
 from .problem import AttnProblem, dense_problem, pad_head_dim, varlen_problem
 
 
@@ -127,7 +126,7 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
     warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run when they do
-    not (where only the backward's do not, the reason starts "backward: "). The packed and varlen entry points follow the same rule for their q, k, v (varlen with seqused_q/k or a
+    not. The packed and varlen entry points follow the same rule for their q, k, v (varlen with seqused_q/k or a
     block_table runs the Triton kernels). Arguments are validated as flash_attn_func validates them; nothing is
     computed.
     `last_kernel_paths()` says what the last call ran.
@@ -135,17 +134,11 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
                       attention_chunk)
     require_runnable(q)
-    if p.seqlen_k == 0:
-        reason = "no keys (seqlen_k == 0)"
-    else:
-        reason = hopper_unsupported(q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded,
-                                    softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0)
-    fwd = TRITON if reason else HOPPER_PATH
-    if reason is None:
-        bwd_reason = feature_unsupported(q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, backward=True)
-        reason = None if bwd_reason is None else f"backward: {bwd_reason}"
-    bwd = TRITON if reason else HOPPER_PATH
-    return {"fwd": fwd, "bwd_dq": bwd, "bwd_dkdv": bwd, "reason": reason}
+    reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
+        q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, softcap=p.softcap, alibi=p.alibi,
+        dropout=p.dropout_p > 0.0)
+    path = TRITON if reason else HOPPER_PATH
+    return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -46,7 +46,8 @@ kernel's). With GQA the loops sit inside the group's loop and compile otherwise;
 loop per consumer leaves nothing for another loop to define, and costs the edge test per tile. Covered by
 tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys.
 
-Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any lengths, causal and sliding
+Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128 and q/k 192 with v 128 (HEAD_DIM_TAIL, Note [head
+dim parts] in hopper_common.py), MHA/GQA/MQA, any lengths, causal and sliding
 windows, chunked attention (MASK_CHUNK, `chunk` keys: masking.py's notation); a learnable sink needs nothing here
 (its LSE holds it). Not softcap, ALiBi, seqused.
 """
@@ -64,18 +65,27 @@ from .masking import LOG2E, chunk_start, q_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring, landed, b, hk, n_start, lo,
-               n_tiles, q_row0, k_row0, seqlen_q, it0, kv0, n_landed, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, k_s, k2_s, v_s, q_s, q2_s, do_s, held, ring, landed,
+               b, hk, n_start, lo, n_tiles, q_row0, k_row0, seqlen_q, it0, kv0, n_landed, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, GROUP: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
     """The loads of one work item: both consumers' K and V tiles into buffers kv0 and kv0 + 1, then Q_i and dO_i,
-    head by head, into the ring from position it0. q_row0 and k_row0: where the sequence's rows start in the packed
-    tensors (varlen; 0 for a dense batch). n_landed counts the tiles landed on `landed` before this item (its phase);
-    returns the count after it."""
+    head by head, into the ring from position it0 (with HEAD_DIM_TAIL, K's and Q's tail columns into k2_s and q2_s
+    on the same barriers). q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a
+    dense batch). n_landed counts the tiles landed on `landed` before this item (its phase); returns the count after
+    it."""
+    kv_bytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                              + (k2_desc.block_type.nbytes if HEAD_DIM_TAIL > 0 else 0))
+    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                             + (q2_desc.block_type.nbytes if HEAD_DIM_TAIL > 0 else 0))
     for c in gl.static_range(2):
         bar = held.index(kv0 + c)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, k_s.index(kv0 + c), IS_VARLEN)
-        tma_load(v_desc, b, k_row0 + n_start + c * BLOCK_N, hk, bar, v_s.index(kv0 + c), IS_VARLEN)
+        row = k_row0 + n_start + c * BLOCK_N
+        mbarrier.expect(bar, kv_bytes)
+        tma_load(k_desc, b, row, hk, bar, k_s.index(kv0 + c), IS_VARLEN)
+        if HEAD_DIM_TAIL > 0:
+            tma_load(k2_desc, b, row, hk, bar, k2_s.index(kv0 + c), IS_VARLEN)
+        tma_load(v_desc, b, row, hk, bar, v_s.index(kv0 + c), IS_VARLEN)
     for g in range(GROUP):
         h = hk * GROUP + g
         for t in range(n_tiles):
@@ -86,19 +96,26 @@ def _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, held, ring,
             if IS_VARLEN and m_start + BLOCK_M > seqlen_q:
                 # The tile the sequence ends in (at most one per head, the last): it lands on `landed`, this warp
                 # zeroes the next sequence's rows (Note [varlen descriptors] in hopper_fwd.py), then releases it.
-                mbarrier.expect(landed, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                mbarrier.expect(landed, q_bytes)
                 tma_load(q_desc, b, q_row0 + m_start, h, landed, q_s.index(slot), IS_VARLEN)
+                if HEAD_DIM_TAIL > 0:
+                    tma_load(q2_desc, b, q_row0 + m_start, h, landed, q2_s.index(slot), IS_VARLEN)
                 tma_load(do_desc, b, q_row0 + m_start, h, landed, do_s.index(slot), IS_VARLEN)
                 mbarrier.wait(landed, n_landed & 1)
                 n_landed += 1
                 zero_rows_from(q_s.index(slot).reshape([BLOCK_M, HEAD_DIM]), seqlen_q - m_start, BLOCK_M, HEAD_DIM, 1)
+                if HEAD_DIM_TAIL > 0:
+                    zero_rows_from(q2_s.index(slot).reshape([BLOCK_M, HEAD_DIM_TAIL]), seqlen_q - m_start, BLOCK_M,
+                                   HEAD_DIM_TAIL, 1)
                 zero_rows_from(do_s.index(slot).reshape([BLOCK_M, HEAD_DIM]), seqlen_q - m_start, BLOCK_M, HEAD_DIM,
                                1)
                 mbarrier.arrive(ring.ready_bar(it), count=1)
             else:
                 bar = ring.ready_bar(it)
-                mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                mbarrier.expect(bar, q_bytes)
                 tma_load(q_desc, b, q_row0 + m_start, h, bar, q_s.index(slot), IS_VARLEN)
+                if HEAD_DIM_TAIL > 0:
+                    tma_load(q2_desc, b, q_row0 + m_start, h, bar, q2_s.index(slot), IS_VARLEN)
                 tma_load(do_desc, b, q_row0 + m_start, h, bar, do_s.index(slot), IS_VARLEN)
     return n_landed
 
@@ -152,10 +169,11 @@ def _read_item(slot):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q,
-            CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-            MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _loader(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, landed,
+            COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+            GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
     """A persistent program's loader (Note [persistent dK/dV]): it takes the next item from the work counter,
     describes it to the consumers and loads its K and V into its set of buffers (hopper_common.BufferSets), once
     both consumers have handed that set back; the Q/dO ring runs on from item to item. The first item past the list
@@ -185,9 +203,10 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, la
         publish_item(sets.info_slot(r), valid, hk, n_start, q_row0, sq, k_row0, sk, lo, n_front, n_mid,
                      n_tiles, b_field)  # _Item
         if valid:
-            n_landed = _load_item(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets.held, ring, landed, b,
-                                  hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0, sets.buffer(r, 0), n_landed,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, IS_VARLEN)
+            n_landed = _load_item(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, k_s, k2_s, v_s, q_s, q2_s, do_s,
+                                  sets.held, ring, landed, b, hk, n_start, lo, n_tiles, q_row0, k_row0, sq, it0,
+                                  sets.buffer(r, 0), n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL, GROUP,
+                                  IS_VARLEN)
             it0 += GROUP * n_tiles
         else:
             sets.end(r)
@@ -196,17 +215,23 @@ def _loader(q_desc, k_desc, v_desc, do_desc, k_s, v_s, q_s, do_s, sets, ring, la
 
 
 @gluon.jit
-def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q,
-          qk_scale, edge, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-          MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr):
-    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dv). `edge`: the
-    tile is at a masked end of the consumer's range, where some (query, key) pair is not visible."""
+def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h, delta_h, kr, kl, offs_m, st_zero,
+          seqlen_q, qk_scale, edge, a_layout: gl.constexpr, a2_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+          HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+          MASK_CHUNK: gl.constexpr):
+    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dk2, dv), dk2 the
+    tail columns' (HEAD_DIM_TAIL; else passed through). `edge`: the tile is at a masked end of the consumer's
+    range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
     slot = ring.slot(it)
     ring.wait_ready(it)
     q_t = q_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_t = do_s.index(slot).reshape([BLOCK_M, HEAD_DIM])
     st = warpgroup_mma(k_c, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    q2_t = q_t
+    if HEAD_DIM_TAIL > 0:  # Sᵀ over the tail columns too, into the same accumulator
+        q2_t = q2_s.index(slot).reshape([BLOCK_M, HEAD_DIM_TAIL])
+        st = warpgroup_mma(k2_c, q2_t.permute((1, 0)), st, is_async=True)
     dpt = warpgroup_mma(v_c, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     # This tile's LSE and delta rows, read under the two matmuls just issued; rows past seqlen_q read lse = +inf.
     # Scalar pointer first, then the arange: LLVM otherwise hoists 16 per-element 64-bit pointers per tensor out of
@@ -235,17 +260,22 @@ def _tile(dk, dv, it, m_start, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
     dst = pt * (dpt - gl.expand_dims(delta, 0))
     dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_t, dk, is_async=True)
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    if HEAD_DIM_TAIL > 0:
+        dk2 = warpgroup_mma(gl.convert_layout(dst.to(dtype), a2_layout), q2_t, dk2, is_async=True)
+        dk, dk2, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dk2, dv))
+    else:
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     ring.release(it)  # this consumer has read Q_i and dO_i
-    return dk, dv
+    return dk, dk2, dv
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring, b,
-                  hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q, seqlen_k, wl, wr,
-                  chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s,
+                  q2_s, do_s, ring, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q,
+                  seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+                  it0, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
     ring position it0. It leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -254,13 +284,21 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    TAIL: gl.constexpr = HEAD_DIM_TAIL if HEAD_DIM_TAIL > 0 else HEAD_DIM  # the tail's tiles' width (read if any)
+    acc2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, TAIL, 16])
+    a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc2_layout, k_width=2)
     k_c = k_s.index(kv).reshape([BLOCK_N, HEAD_DIM])
+    k2_c = k_c
+    if HEAD_DIM_TAIL > 0:
+        k2_c = k2_s.index(kv).reshape([BLOCK_N, TAIL])
     v_c = v_s.index(kv).reshape([BLOCK_N, HEAD_DIM])
     key0 = n_start + c * BLOCK_N
     keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # one value per query (Sᵀ's columns)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dk2 = gl.zeros([BLOCK_N, TAIL], gl.float32, layout=acc2_layout)  # with HEAD_DIM_TAIL only
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     kr = keys - (seqlen_k - seqlen_q) - wr  # the first query row that sees each key (MASK_RIGHT)
     kl = keys - (seqlen_k - seqlen_q) + wl  # the last (MASK_LEFT)
@@ -294,30 +332,38 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DE
         # the mask under a branch (Note [one loop per consumer]).
         for t in range(own0, own1):
             edge = (t < front) | (t >= mid)
-            dk, dv = _tile(dk, dv, base + t, lo + t * BLOCK_M, k_c, v_c, q_s, do_s, ring, lse_h, delta_h, kr, kl,
-                           offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout, HEAD_DIM, BLOCK_M, MASK_LEFT,
-                           MASK_RIGHT, MASK_CHUNK)
+            dk, dk2, dv = _tile(dk, dk2, dv, base + t, lo + t * BLOCK_M, k_c, k2_c, v_c, q_s, q2_s, do_s, ring,
+                                lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout,
+                                a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         pass_over(base + own1, base + n_tiles, ring)
         lse_h += stride_lh
         delta_h += stride_lh
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence
         # K and V are no longer read: this consumer's buffers stage its dK and dV for the stores.
         k_c.store((dk * softmax_scale).to(dtype))
+        if HEAD_DIM_TAIL > 0:
+            k2_c.store((dk2 * softmax_scale).to(dtype))
         v_c.store(dv.to(dtype))
         fence_async_shared()
         if IS_VARLEN and key0 + BLOCK_N > seqlen_k:  # a box would also write the next sequence's rows
             store_rows(DK_PTR, k_c, k_row0 + key0, seqlen_k - key0, hk, stride_dkm, stride_dkh, BLOCK_N, HEAD_DIM)
+            if HEAD_DIM_TAIL > 0:
+                store_rows(DK_PTR + HEAD_DIM, k2_c, k_row0 + key0, seqlen_k - key0, hk, stride_dkm, stride_dkh,
+                           BLOCK_N, TAIL)
             store_rows(DV_PTR, v_c, k_row0 + key0, seqlen_k - key0, hk, stride_dvm, stride_dvh, BLOCK_N, HEAD_DIM)
         else:
             tma_store(dk_desc, b, k_row0 + key0, hk, k_s.index(kv), IS_VARLEN)
+            if HEAD_DIM_TAIL > 0:
+                tma_store(dk2_desc, b, k_row0 + key0, hk, k2_s.index(kv), IS_VARLEN)
             tma_store(dv_desc, b, k_row0 + key0, hk, v_s.index(kv), IS_VARLEN)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets, ring, wl, wr,
-              chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s,
+              sets, ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh,
+              stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
     landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
@@ -338,11 +384,11 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
             else:
                 b = item.b
                 lse_off = b.to(gl.int64) * stride_lb + (item.hk * GROUP).to(gl.int64) * stride_lh
-            _consume_item(c, sets.buffer(r, c), dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, ring,
-                          b, item.hk, item.n_start, item.lo, item.n_front, item.n_mid, item.n_tiles, lse_off,
-                          stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale,
-                          stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP,
-                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
+            _consume_item(c, sets.buffer(r, c), dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s,
+                          q_s, q2_s, do_s, ring, b, item.hk, item.n_start, item.lo, item.n_front, item.n_mid,
+                          item.n_tiles, lse_off, stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
+                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             it0 += GROUP * item.n_tiles
         else:
             done = True
@@ -352,11 +398,12 @@ def _consumer(c: gl.constexpr, dk_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
+def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
                         qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32,
                         seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
                         stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items: gl.int32, heads: gl.int32,
-                        chunk: gl.int32, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
@@ -366,7 +413,9 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     and DK_PTR, DV_PTR, TILES, CU_SEQLENS and the dK/dV strides are unused. Varlen: over the packed (total, H, D)
     tensors, whose seqlen_q/k are the totals; the items are heads x tile-list entries: TILES holds the (sequence,
     key tile) list (ops/schedule.varlen_plan: ordered by each sequence's queries, ops/bwd.py, and within one the
-    first key tile first). DK_PTR and DV_PTR are dK's and dV's tensors, for a sequence's last key tile.
+    first key tile first). DK_PTR and DV_PTR are dK's and dV's tensors, for a sequence's last key tile. HEAD_DIM
+    is V's and dO's head dim and the first HEAD_DIM columns of Q, K and dK; HEAD_DIM_TAIL > 0 reads and writes
+    their next columns through Q2, K2 and DK2 (Note [head dim parts] in hopper_common.py; else unused).
 
     Note [persistent dK/dV]: the forward's persistence (Note [persistent forward] in hopper_fwd.py)
     applied to this kernel. One program per SM; the loader takes (sequence, KV head, key tile) items from COUNTER
@@ -380,26 +429,33 @@ def _hopper_dkdv_kernel(Q, K, V, DO, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, 
     16-sequence mix runs 16 programs per SM of 16 tiles (causal) where dense 4k runs 33. Persistent, the mix's
     causal dK/dV went from 553 to 497 µs (-10%), with the same results bit for bit; without a mask (31 tiles a
     program) 927 -> 937. Dense batches: not yet timed against the one-program-per-tile grid."""
-    gl.static_assert(BLOCK_N == BLOCK_M, "one query tile per key block of each consumer")
+    gl.static_assert(BLOCK_N % BLOCK_M == 0, "the two consumers' ranges differ by whole query tiles")
     q_s = tile_buffers(Q, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     do_s = tile_buffers(DO, STAGES, BLOCK_M, HEAD_DIM, IS_VARLEN)
     landed = barrier_array(1, 1).index(0)
     # Two sets of K and V buffers (2 * set + consumer); kv_free[i]: buffer i holds nothing its item still needs.
     k_s = tile_buffers(K, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
     v_s = tile_buffers(V, 4, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    k2_s = k_s  # the tails' buffers, used only with HEAD_DIM_TAIL
+    q2_s = q_s
+    if HEAD_DIM_TAIL > 0:
+        k2_s = tile_buffers(K2, 4, BLOCK_N, HEAD_DIM_TAIL, IS_VARLEN)
+        q2_s = tile_buffers(Q2, STAGES, BLOCK_M, HEAD_DIM_TAIL, IS_VARLEN)
     kv_free = barrier_array(4, 1)
     info = info_slots()
     held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
     sets = BufferSets(held, kv_free, info)
     ring = Ring(ready, empty, STAGES)
     gl.warp_specialize([
-        (_consumer, (0, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets, ring, wl, wr, chunk, qk_scale,
-                     softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM,
-                     BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
-        (_consumer, (1, DK, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, v_s, q_s, do_s, sets, ring, wl, wr, chunk, qk_scale,
-                     softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm, stride_dvh, HEAD_DIM,
-                     BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
-        (_loader, (Q, K, V, DO, k_s, v_s, q_s, do_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                   seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT,
-                   MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+        (_consumer, (0, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
+                     chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
+        (_consumer, (1, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
+                     chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
+        (_loader, (Q, Q2, K, K2, V, DO, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, landed, COUNTER, TILES,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N,
+                   HEAD_DIM, HEAD_DIM_TAIL, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

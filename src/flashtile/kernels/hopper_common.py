@@ -6,6 +6,18 @@ box (Note [varlen descriptors] in hopper_fwd.py). Gluon only (sm_90).
 
 A change here changes every Hopper kernel's code: tools/sass_diff.py compares the sm_90 SASS of every compile
 against another tree, instruction for instruction, where no GPU can time the change.
+
+Note [head dim parts]: the kernels take q/k 128 with v 128, and MLA prefill's q/k 192 with v 128 (DeepSeek-V3,
+Kimi). A register tile's dims must be powers of two, and a 256-wide Q and K would spend a quarter of Q Kᵀ, dS K
+and dSᵀ Q on zeros, so 192 is read as config.head_dim_parts gives it, 128 + 64: HEAD_DIM (V's, O's and dO's
+width, and the first part of Q's, K's, dQ's and dK's) and HEAD_DIM_TAIL (0, or the tail's). The launchers
+(ops/hopper.py) build a second descriptor over each tensor's tail columns (Q2, K2, DQ2, DK2: a view whose base is
+HEAD_DIM elements in, 16-byte aligned), the loaders fill a tail buffer beside each first-part buffer on the same
+barrier, S and Sᵀ are two wgmmas into one accumulator, and dQ's and dK's tails accumulate on their own (a second
+wgmma on the same dS) and are staged for their stores in the tail buffers of Q and K, as the first parts are in
+theirs. The tails' shared memory leaves no room for the held sets and three-stage rings at the d128 tiles: the
+forward takes 2 stages (one K slot, two V), and the backward halves the tile it streams (dQ's key blocks,
+dK/dV's query tiles: config.HOPPER).
 """
 
 import hashlib

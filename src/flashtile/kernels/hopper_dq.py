@@ -48,7 +48,8 @@ registers for, and it serialised every wgmma of the kernel (C7512): the kernel w
 warpgroups still overlap one another's updates: on the H200, gradients whose checksums equal the Triton dQ
 kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (docs/design/hopper-pipeline.md).
 
-Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128, MHA/GQA/MQA, any
+Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128 and q/k 192 with v
+128 (HEAD_DIM_TAIL, Note [head dim parts] in hopper_common.py), MHA/GQA/MQA, any
 lengths, causal and sliding windows, chunked attention (MASK_CHUNK). Not softcap, ALiBi, seqused.
 """
 
@@ -65,18 +66,27 @@ from .masking import LOG2E, apply_mask, kv_block_range
 
 
 @gluon.jit
-def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring, landed, b, h, hk, m_start, lo,
-               n_blocks, q_row0, k_row0, seqlen_k, it0, q0, n_landed, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _load_item(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_s, q2_s, do_s, k_s, k2_s, v_s, held, ring,
+               landed, b, h, hk, m_start, lo, n_blocks, q_row0, k_row0, seqlen_k, it0, q0, n_landed,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
     """The loads of one work item: both consumers' Q and dO tiles into buffers q0 and q0 + 1, then its key blocks
-    into the K/V ring from position it0. q_row0 and k_row0: where the sequence's rows start in the packed tensors
-    (varlen; 0 for a dense batch). n_landed counts the blocks landed on `landed` before this item (its phase);
-    returns the count after it."""
+    into the K/V ring from position it0 (with HEAD_DIM_TAIL, Q's and K's tail columns into q2_s and k2_s on the same
+    barriers). q_row0 and k_row0: where the sequence's rows start in the packed tensors (varlen; 0 for a dense
+    batch). n_landed counts the blocks landed on `landed` before this item (its phase); returns the count after
+    it."""
+    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                             + (q2_desc.block_type.nbytes if HEAD_DIM_TAIL > 0 else 0))
+    kv_bytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                              + (k2_desc.block_type.nbytes if HEAD_DIM_TAIL > 0 else 0))
     for c in gl.static_range(2):
         bar = held.index(q0 + c)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma_load(q_desc, b, q_row0 + m_start + c * BLOCK_M, h, bar, q_s.index(q0 + c), IS_VARLEN)
-        tma_load(do_desc, b, q_row0 + m_start + c * BLOCK_M, h, bar, do_s.index(q0 + c), IS_VARLEN)
+        row = q_row0 + m_start + c * BLOCK_M
+        mbarrier.expect(bar, q_bytes)
+        tma_load(q_desc, b, row, h, bar, q_s.index(q0 + c), IS_VARLEN)
+        if HEAD_DIM_TAIL > 0:
+            tma_load(q2_desc, b, row, h, bar, q2_s.index(q0 + c), IS_VARLEN)
+        tma_load(do_desc, b, row, h, bar, do_s.index(q0 + c), IS_VARLEN)
     for j in range(n_blocks):
         it = it0 + j
         ring.wait_empty(it)
@@ -85,18 +95,25 @@ def _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, held, ring,
         if IS_VARLEN and n0 + BLOCK_N > seqlen_k:
             # The block the sequence ends in (the item's last): it lands on `landed`, this warp zeroes the next
             # sequence's rows of K and V, then releases it.
-            mbarrier.expect(landed, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            mbarrier.expect(landed, kv_bytes)
             tma_load(k_desc, b, k_row0 + n0, hk, landed, k_s.index(slot), IS_VARLEN)
+            if HEAD_DIM_TAIL > 0:
+                tma_load(k2_desc, b, k_row0 + n0, hk, landed, k2_s.index(slot), IS_VARLEN)
             tma_load(v_desc, b, k_row0 + n0, hk, landed, v_s.index(slot), IS_VARLEN)
             mbarrier.wait(landed, n_landed & 1)
             n_landed += 1
             zero_rows_from(k_s.index(slot).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - n0, BLOCK_N, HEAD_DIM, 1)
+            if HEAD_DIM_TAIL > 0:
+                zero_rows_from(k2_s.index(slot).reshape([BLOCK_N, HEAD_DIM_TAIL]), seqlen_k - n0, BLOCK_N,
+                               HEAD_DIM_TAIL, 1)
             zero_rows_from(v_s.index(slot).reshape([BLOCK_N, HEAD_DIM]), seqlen_k - n0, BLOCK_N, HEAD_DIM, 1)
             mbarrier.arrive(ring.ready_bar(it), count=1)
         else:
             bar = ring.ready_bar(it)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            mbarrier.expect(bar, kv_bytes)
             tma_load(k_desc, b, k_row0 + n0, hk, bar, k_s.index(slot), IS_VARLEN)
+            if HEAD_DIM_TAIL > 0:
+                tma_load(k2_desc, b, k_row0 + n0, hk, bar, k2_s.index(slot), IS_VARLEN)
             tma_load(v_desc, b, k_row0 + n0, hk, bar, v_s.index(slot), IS_VARLEN)
     return n_landed
 
@@ -131,10 +148,11 @@ def _read_item(slot):
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q,
-            CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-            MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _loader(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, landed,
+            COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+            GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
     """A persistent program's loader (Note [persistent dQ]): it takes the next item from the work counter,
     describes it to the consumers and loads its Q and dO into its set of buffers (hopper_common.BufferSets), once
     both consumers have handed that set back; the K/V ring runs on from item to item. The first item past the list
@@ -163,9 +181,10 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets, ring, la
         sets.wait_free(r)
         publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, b, 0, 0, 0)  # _Item
         if valid:
-            n_landed = _load_item(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, sets.held, ring, landed, b,
-                                  h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, sk, it0, sets.buffer(r, 0),
-                                  n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, IS_VARLEN)
+            n_landed = _load_item(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_s, q2_s, do_s, k_s, k2_s, v_s,
+                                  sets.held, ring, landed, b, h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0,
+                                  sk, it0, sets.buffer(r, 0), n_landed, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL,
+                                  IS_VARLEN)
             it0 += n_blocks
         else:
             sets.end(r)
@@ -188,24 +207,32 @@ def _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BL
 
 
 @gluon.jit
-def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, h, m_start, lo,
-                  n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk, qk_scale,
-                  softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
-                  IS_VARLEN: gl.constexpr):
+def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, ring,
+                  b, h, m_start, lo, n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk,
+                  qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr,
+                  HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
-    ring position it0. It leaves its dQ store in flight."""
+    ring position it0. It leaves its dQ store in flight. With HEAD_DIM_TAIL, S = Q Kᵀ runs as two wgmmas into one
+    accumulator and dQ's tail columns accumulate on their own (Note [head dim parts] in hopper_common.py)."""
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    TAIL: gl.constexpr = HEAD_DIM_TAIL if HEAD_DIM_TAIL > 0 else HEAD_DIM  # the tail's tiles' width (read if any)
+    acc2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, TAIL, 16])
+    a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc2_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     diag = seqlen_k - seqlen_q
     m0 = m_start + c * BLOCK_M
     rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
     q_t = q_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
+    q2_t = q_t
+    if HEAD_DIM_TAIL > 0:
+        q2_t = q2_s.index(qi).reshape([BLOCK_M, TAIL])
     do_t = do_s.index(qi).reshape([BLOCK_M, HEAD_DIM])
     # This consumer's own key blocks: a contiguous part [j0, j1) of the item's, whose mask-free part is
     # [own_full_lo, own_full_hi) (kv_block_range for its BLOCK_M rows).
@@ -218,6 +245,7 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
     gl.store(DELTA + lse_off + rows, delta, mask=rows < seqlen_q)
     lse2 = gl.load(LSE + lse_off + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+    dq2 = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=acc2_layout)  # with HEAD_DIM_TAIL only
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     pass_over(it0, it0 + j0, ring)
     for j in range(j0, j1):
@@ -228,6 +256,10 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
         k_t = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
         v_t = v_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        k2_t = k_t
+        if HEAD_DIM_TAIL > 0:
+            k2_t = k2_s.index(slot).reshape([BLOCK_N, TAIL])
+            s = warpgroup_mma(q2_t, k2_t.permute((1, 0)), s, is_async=True)
         dp = warpgroup_mma(do_t, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if (n0 < own_full_lo) | (n0 >= own_full_hi):
@@ -240,23 +272,35 @@ def _consume_item(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, 
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # Note [dQ update in its block]
+        if HEAD_DIM_TAIL > 0:
+            dq2 = warpgroup_mma(gl.convert_layout(ds.to(dtype), a2_layout), k2_t, dq2, is_async=True)
+            dq, dq2 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq2))
+        else:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))  # Note [dQ update in its block]
         ring.release(it)  # this consumer has read K_j and V_j
     pass_over(it0 + j1, it0 + n_blocks, ring)
     if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the list)
         q_t.store((dq * softmax_scale).to(dtype))  # Q is no longer read: its buffer stages dQ for the store
+        if HEAD_DIM_TAIL > 0:
+            q2_t.store((dq2 * softmax_scale).to(dtype))
         fence_async_shared()
         if IS_VARLEN and m0 + BLOCK_M > seqlen_q:  # a box would also write the next sequence's rows
             store_rows(DQ_PTR, q_t, q_row0 + m0, seqlen_q - m0, h, stride_dqm, stride_dqh, BLOCK_M, HEAD_DIM)
+            if HEAD_DIM_TAIL > 0:
+                store_rows(DQ_PTR + HEAD_DIM, q2_t, q_row0 + m0, seqlen_q - m0, h, stride_dqm, stride_dqh, BLOCK_M,
+                           TAIL)
         else:
             tma_store(dq_desc, b, q_row0 + m0, h, q_s.index(qi), IS_VARLEN)
+            if HEAD_DIM_TAIL > 0:
+                tma_store(dq2_desc, b, q_row0 + m0, h, q2_s.index(qi), IS_VARLEN)
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk,
-              qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm, stride_dqh,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring,
+              wl, wr, chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh,
+              stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
     landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
@@ -281,10 +325,11 @@ def _consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s,
                 b = item.b
                 o_off = b.to(gl.int64) * stride_ob + h64 * stride_oh
                 lse_off = b.to(gl.int64) * stride_lb + h64 * stride_lh
-            _consume_item(c, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, ring, b, item.h, item.m_start,
-                          item.lo, item.n_blocks, o_off, stride_om, lse_off, item.q_row0, item.seqlen_q,
-                          item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
+            _consume_item(c, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, ring, b,
+                          item.h, item.m_start, item.lo, item.n_blocks, o_off, stride_om, lse_off, item.q_row0,
+                          item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dqm,
+                          stride_dqh, it0, qi, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                          MASK_CHUNK, IS_VARLEN)
             it0 += item.n_blocks
         else:
             done = True
@@ -294,13 +339,13 @@ def _consumer(c: gl.constexpr, dq_desc, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s,
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
+def _hopper_dq_kernel(Q, Q2, K, K2, V, DO, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
                       qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, stride_ob, stride_om,
                       stride_oh, seqlen_q: gl.int32,
                       seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32, stride_dqm, stride_dqh,
                       n_items: gl.int32, heads: gl.int32, chunk: gl.int32,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent dQ];
@@ -308,11 +353,19 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
     whose items are B x H x the query tiles and which leaves DQ_PTR, TILES, CU_SEQLENS and the dQ strides unused;
     over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose n_items are
     heads x tile-list entries (TILES the plan's last-first list of 2 x BLOCK_M-row tiles). OUT is the forward's output, a pointer (read once per row, for delta) with its (batch, row,
-    head) strides; LSE and DELTA share theirs. DQ_PTR is dQ's tensor, for the last tile of a varlen sequence."""
-    gl.static_assert(BLOCK_N == BLOCK_M, "the two consumers' ranges differ by whole key blocks")
+    head) strides; LSE and DELTA share theirs. DQ_PTR is dQ's tensor, for the last tile of a varlen sequence.
+    HEAD_DIM is V's and dO's head dim and the first HEAD_DIM columns of Q, K and dQ; HEAD_DIM_TAIL > 0 (MLA
+    prefill's q/k 192 with v 128) reads and writes their next HEAD_DIM_TAIL columns through Q2, K2 and DQ2 (as the
+    forward's Q2 and K2; else unused)."""
+    gl.static_assert(BLOCK_M % BLOCK_N == 0, "the two consumers' ranges differ by whole key blocks")
     landed = barrier_array(1, 1).index(0)
     k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
     v_s = tile_buffers(V, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    k2_s = k_s  # the tails' buffers, used only with HEAD_DIM_TAIL
+    q2_s = k_s
+    if HEAD_DIM_TAIL > 0:
+        k2_s = tile_buffers(K2, STAGES, BLOCK_N, HEAD_DIM_TAIL, IS_VARLEN)
+        q2_s = tile_buffers(Q2, 4, BLOCK_M, HEAD_DIM_TAIL, IS_VARLEN)
     # Two sets of Q and dO buffers (2 * set + consumer); q_free[i]: buffer i holds nothing its item still needs.
     q_s = tile_buffers(Q, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
     do_s = tile_buffers(DO, 4, BLOCK_M, HEAD_DIM, IS_VARLEN)
@@ -322,13 +375,15 @@ def _hopper_dq_kernel(Q, K, V, DO, DQ, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLEN
     sets = BufferSets(held, q_free, info)
     ring = Ring(ready, empty, STAGES)
     gl.warp_specialize([
-        (_consumer, (0, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk, qk_scale,
-                     softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm, stride_dqh,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
-        (_consumer, (1, DQ, DQ_PTR, OUT, LSE, DELTA, q_s, do_s, k_s, v_s, sets, ring, wl, wr, chunk, qk_scale,
-                     softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm, stride_dqh,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
-        (_loader, (Q, DO, K, V, q_s, do_s, k_s, v_s, sets, ring, landed, COUNTER, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
-                   seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, MASK_LEFT,
-                   MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
+        (_consumer, (0, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, wl, wr, chunk,
+                     qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm,
+                     stride_dqh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
+        (_consumer, (1, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, wl, wr, chunk,
+                     qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm,
+                     stride_dqh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
+        (_loader, (Q, Q2, DO, K, K2, V, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, landed, COUNTER, TILES,
+                   CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N,
+                   HEAD_DIM, HEAD_DIM_TAIL, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

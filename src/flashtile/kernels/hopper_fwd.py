@@ -27,8 +27,8 @@ whose rows see only the first half of the last key block computes that block at 
 block]).
 
 Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py): dense (B, S, H, D) and varlen
-(total, H, D) batches, fp16/bf16, D 128, and MLA prefill's q/k 192 with v 128 (HEAD_DIM_TAIL: S = Q Kᵀ over
-128 + 64 columns, two wgmmas into one accumulator, _scores), MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
+(total, H, D) batches, fp16/bf16, D 128, and MLA prefill's q/k 192 with v 128 (HEAD_DIM_TAIL: Note [head dim
+parts] in hopper_common.py; _scores), MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
 (MASK_CHUNK: kv_block_range and apply_mask take the chunk, as everywhere else), learnable sinks
 (HAS_SINK: SINK, fp32 (H,), joins each row's denominator after its last key block, as softmax.fold_sink; the
 backward needs nothing more, its P comes from this LSE). Not softcap, ALiBi, dropout, seqused or paged K/V.
@@ -212,9 +212,8 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_sc
 def _scores(q_tile, q2_tile, k_s, k2_s, slot, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr,
             HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Issue S = Q Kᵀ on the first WIDTH keys of the K tile in ring slot `slot`, asynchronously: one wgmma, or with
-    HEAD_DIM_TAIL a second over the tail columns into the same accumulator (q/k 192 as 128 + 64,
-    config.head_dim_parts: register and shared tiles are powers of two, and a 256-wide tile would spend a quarter
-    of Q Kᵀ on zeros). A wait for the one leaves neither in flight: wgmma groups complete in order."""
+    HEAD_DIM_TAIL a second over the tail columns into the same accumulator (Note [head dim parts] in
+    hopper_common.py). A wait for the last leaves neither in flight: wgmma groups complete in order."""
     s_layout: gl.constexpr = _acc_layout(WIDTH)
     k_tile = k_s.index(slot).reshape([BLOCK_N, HEAD_DIM])
     if WIDTH < BLOCK_N:

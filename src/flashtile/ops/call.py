@@ -26,7 +26,7 @@ from .common import unpack
 from .descriptors import tma_ready
 from . import device as devices
 from .device import graph_capturing, pdl_supported
-from .hopper import feature_unsupported, hopper_unsupported
+from .hopper import hopper_unsupported
 from .launch import MAX_CACHED, signature, tensor_signature
 from .schedule import list_blocks, self_attention
 
@@ -183,8 +183,7 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
                                          seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
                                          dropout=dropout_p > 0.0) \
         if k.numel() > 0 else "no keys"
-    # The backward runs the Gluon kernels only where its forward does, and not at every head dim the forward takes.
-    bwd_unsupported = fwd_unsupported or feature_unsupported(q.dtype, head_dim, head_dim_v=head_dim_v, backward=True)
+    bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
     pdl, dq_list_block = False, 0
     if dout is not None:
         dout, out = tma_ready(dout), tma_ready(out)
@@ -195,7 +194,7 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
         pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
-            dq_list_block = list_blocks(max(head_dim, head_dim_v), q.dtype == torch.float32, fwd_unsupported is None,
+            dq_list_block = list_blocks(max(head_dim, head_dim_v), q.dtype == torch.float32,
                                         bwd_unsupported is None, dropout_p > 0.0, head_dim_v)[1]
     p = OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                   learnable_sink, rng, dout, out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv,

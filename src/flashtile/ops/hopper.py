@@ -3,14 +3,13 @@
 Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
-(config.HOPPER), and the forward also MLA prefill's q/k 192 with v 128 (gluon_head_dims), dense and varlen batches,
-MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention, learnable sinks. Everything else
-(softcap, ALiBi, dropout, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
-Triton kernels, as does the backward of 192/128, whose Q and K buffers would not fit the Gluon backward's shared
-memory. `hopper_unsupported` is the one decision: the ops ask it on every call, for the forward and the backward,
-and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no; a backward runs the Gluon
-kernels only where its forward does. `last_kernel_paths` says which kernels the last forward and backward ran.
-FLASHTILE_HOPPER=0 switches the path off.
+and MLA prefill's q/k 192 with v 128 (config.HOPPER, gluon_head_dims: Q and K read as 128 + 64 columns, Note
+[head dim parts] in kernels/hopper_common.py), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and
+sliding windows, chunked attention, learnable sinks. Everything else (softcap, ALiBi, dropout, seqused_q/k, paged
+K/V, other head dims or dtypes, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the
+one decision: the ops ask it on every call, and `flashtile.kernel_paths` asks it for a user, with the reason when
+the answer is no, and the backward follows its forward; `last_kernel_paths` says which kernels the last forward
+and backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
 The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter (Notes
 [persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
@@ -59,10 +58,9 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None,
                        paged: bool = False, seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False, backward: bool = False) -> Optional[str]:
-    """None when a call with these properties runs the Gluon Hopper kernels (its forward, or with `backward` its
-    backward's); otherwise why it does not. `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the
-    padded ones the kernels see."""
+                       dropout: bool = False) -> Optional[str]:
+    """None when a call with these properties runs the Gluon Hopper kernels; otherwise why it does not.
+    `head_dim` (q's and k's) and `head_dim_v` (v's; None: the same) are the padded ones the kernels see."""
     if env.INTERPRET:
         return "the Triton interpreter runs the Triton kernels"
     if not env.hopper():
@@ -75,21 +73,20 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     return feature_unsupported(dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused, softcap=softcap,
-                               alibi=alibi, dropout=dropout, backward=backward)
+                               alibi=alibi, dropout=dropout)
 
 
 def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None, paged: bool = False,
-                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-                        backward: bool = False) -> Optional[str]:
+                        seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
+                        dropout: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    pairs = gluon_head_dims(backward)
+    pairs = gluon_head_dims()
     if (head_dim, head_dim_v) not in pairs:
-        what = "backward" if backward else "forward"
-        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the Gluon {what} takes "
+        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the Gluon kernels take "
                 + ", ".join(f"({d}, {dv})" for d, dv in pairs))
     if not (paged or seqused or softcap > 0.0 or alibi or dropout):  # the common case, without building the list
         return None
@@ -101,14 +98,12 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
 
 
 @functools.cache
-def gluon_head_dims(backward: bool = False) -> tuple[tuple[int, int], ...]:
-    """The (q/k, v) head dims the Gluon forward (or all of the backward's kernels) takes: config.HOPPER's, each
-    with the v head dim of its q/k head dim's first part (config.head_dim_parts: 128 at 128, and MLA prefill's 192
-    read as 128 + 64, whose v is 128), which is the width O's tile shares with Q's first (the forward stages O in
-    Q's buffer)."""
-    dims = set(HOPPER["fwd"])
-    if backward:
-        dims &= set(HOPPER["bwd_dq"]) & set(HOPPER["bwd_dkdv"])
+def gluon_head_dims() -> tuple[tuple[int, int], ...]:
+    """The (q/k, v) head dims the Gluon kernels take: config.HOPPER's q/k head dims, each with the v head dim of
+    its first part (config.head_dim_parts: 128 at 128, and MLA prefill's 192 read as 128 + 64, whose v is 128).
+    That is the width V's, O's and dO's tiles share with the first part of Q's and K's, whose buffers stage O, dQ
+    and dK for their stores."""
+    dims = set(HOPPER["fwd"]) & set(HOPPER["bwd_dq"]) & set(HOPPER["bwd_dkdv"])
     return tuple((d, head_dim_parts(d)[0]) for d in sorted(dims))
 
 
@@ -118,16 +113,12 @@ _LOGGED: set[str] = set()
 
 def log_fallback(device: torch.device, dtype: torch.dtype, head_dim: int, **features) -> None:
     """On an sm_90 device, log once per reason (at DEBUG, logger "flashtile") that a call runs the Triton kernels
-    instead of the Gluon ones, and why (`features`: hopper_unsupported's keywords but `backward`; a backward-only
-    reason, as MLA prefill's, is logged with its forward's call). The public API calls it only
+    instead of the Gluon ones, and why (`features`: hopper_unsupported's keywords). The public API calls it only
     when that logger takes DEBUG records, so an ordinary call pays one isEnabledFor check; the decision itself stays
     with ops/call.py."""
     if not on_gpu(device) or capability(device) != (9, 0):
         return
     reason = hopper_unsupported(device, dtype, head_dim, **features)
-    if reason is None:
-        reason = hopper_unsupported(device, dtype, head_dim, **features, backward=True)
-        reason = None if reason is None else f"backward: {reason}"
     if reason is not None and reason not in _LOGGED:
         _LOGGED.add(reason)
         _log.debug("flashtile: sm_90 call runs the Triton kernels, not the Gluon ones: %s", reason)
@@ -273,6 +264,7 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
     as fwd's."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
+    first, tail = head_dim_parts(head_dim)
     varlen = cu_seqlens_q is not None
     programs = sm_count(q.device)
     # Persistent (Note [persistent dQ] in kernels/hopper_dq.py), as the forward, a varlen batch on the same list.
@@ -294,12 +286,20 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
                           wr=window_right, chunk=attention_chunk, stride_dqm=dq.stride(0), stride_dqh=dq.stride(1),
                           n_items=n_items, heads=nheads)
         return StaticByName(_persistent_grid(n_items, programs), static,
-                            _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
+                            dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
+                                 HEAD_DIM_TAIL=tail))
 
     key = None if key is None else (key, programs, 2)
-    Q, K, V, DO, DQ = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
-                             (dq, cfg.block_m))
-    dynamic = dict(Q=Q, K=K, V=V, DO=DO, DQ=DQ, DQ_PTR=dq if varlen else None, OUT=out, LSE=lse, DELTA=delta,
+    if tail:  # as the forward's: Q's, K's and dQ's first columns and their tails
+        Q, Q2, K, K2, V, DO, DQ, DQ2 = _descs(
+            key, (q[..., :first], cfg.block_m), (q[..., first:], cfg.block_m), (k[..., :first], cfg.block_n),
+            (k[..., first:], cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (dq[..., :first], cfg.block_m),
+            (dq[..., first:], cfg.block_m))
+    else:
+        Q, K, V, DO, DQ = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+                                 (dq, cfg.block_m))
+        Q2, K2, DQ2 = Q, K, DQ
+    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DQ=DQ, DQ2=DQ2, DQ_PTR=dq if varlen else None, OUT=out, LSE=lse, DELTA=delta,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[2] if varlen else dense_counter(q.device, 2), qk_scale=qk_scale,
                    softmax_scale=softmax_scale)
@@ -313,6 +313,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
     plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py). key: as fwd's."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
     cfg = HOPPER["bwd_dkdv"][head_dim]
+    first, tail = head_dim_parts(head_dim)
     varlen = cu_seqlens_q is not None
     programs = sm_count(q.device)
     # Persistent (Note [persistent dK/dV] in kernels/hopper_bwd.py), as the forward.
@@ -334,12 +335,20 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                           stride_dkh=dk.stride(1), stride_dvm=dv.stride(0), stride_dvh=dv.stride(1),
                           n_items=n_items, heads=nheads_kv)
         return StaticByName(_persistent_grid(n_items, programs), static,
-                            _constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen))
+                            dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
+                                 HEAD_DIM_TAIL=tail))
 
     key = None if key is None else (key, programs, 1)
-    Q, K, V, DO, DK, DV = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
-                                 (dk, cfg.block_n), (dv, cfg.block_n))
-    dynamic = dict(Q=Q, K=K, V=V, DO=DO, DK=DK, DV=DV, DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None,
+    if tail:  # as the forward's: Q's, K's and dK's first columns and their tails
+        Q, Q2, K, K2, V, DO, DK, DK2, DV = _descs(
+            key, (q[..., :first], cfg.block_m), (q[..., first:], cfg.block_m), (k[..., :first], cfg.block_n),
+            (k[..., first:], cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (dk[..., :first], cfg.block_n),
+            (dk[..., first:], cfg.block_n), (dv, cfg.block_n))
+    else:
+        Q, K, V, DO, DK, DV = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
+                                     (dk, cfg.block_n), (dv, cfg.block_n))
+        Q2, K2, DK2 = Q, K, DK
+    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DK=DK, DK2=DK2, DV=DV, DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None,
                    LSE=lse, DELTA=delta, TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else dense_counter(q.device, 1),
                    qk_scale=qk_scale, softmax_scale=softmax_scale)
