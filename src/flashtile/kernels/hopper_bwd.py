@@ -46,10 +46,10 @@ kernel's). With GQA the loops sit inside the group's loop and compile otherwise;
 loop per consumer leaves nothing for another loop to define, and costs the edge test per tile. Covered by
 tests/test_gpu_trust.py::test_varlen_backward_with_fewer_queries_than_keys.
 
-Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128 and q/k 192 with v 128 (HEAD_DIM_TAIL, Note [head
-dim parts] in hopper_common.py), MHA/GQA/MQA, any lengths, causal and sliding
-windows, chunked attention (MASK_CHUNK, `chunk` keys: masking.py's notation); a learnable sink needs nothing here
-(its LSE holds it). Not softcap, ALiBi, seqused.
+Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128 and q/k 192 with v 128 (HEAD_DIM_TAIL, Note
+[head dim parts] in hopper_common.py), MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
+(MASK_CHUNK, `chunk` keys: masking.py's notation); a learnable sink needs nothing here (its LSE holds it). Not
+softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon

@@ -49,8 +49,8 @@ warpgroups still overlap one another's updates: on the H200, gradients whose che
 kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (docs/design/hopper-pipeline.md).
 
 Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128 and q/k 192 with v
-128 (HEAD_DIM_TAIL, Note [head dim parts] in hopper_common.py), MHA/GQA/MQA, any
-lengths, causal and sliding windows, chunked attention (MASK_CHUNK). Not softcap, ALiBi, seqused.
+128 (HEAD_DIM_TAIL, Note [head dim parts] in hopper_common.py), MHA/GQA/MQA, any lengths, causal and sliding
+windows, chunked attention (MASK_CHUNK). Not softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon
