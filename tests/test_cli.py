@@ -244,6 +244,8 @@ def test_info_text_and_json(capsys):
         assert by_key[("bf16", 128, "attention chunk")]["path"] == "gluon-sm90"
         assert "dropout" in by_key[("bf16", 128, "dropout")]["why"]
         assert by_key[("fp32", 128, "dense")]["path"] == "triton"
+        assert by_key[("bf16", 192, "varlen")]["path"] == "gluon-sm90"  # MLA prefill's 192/128
+        assert by_key[("bf16", 192, "varlen")]["tiles"]["bwd_dkdv"] == "32x64 s3"
     assert "decode" in by_key[("fp16", 64, "paged")]["tiles"]
 
 

@@ -35,7 +35,8 @@ from .ops.hopper import HOPPER_PATH, TRITON, feature_unsupported, hopper_unsuppo
 # What flashtile is tested with (pyproject.toml says the same): CI on the CPU, the GPU tier on an H200.
 TESTED = {"torch": ["2.13.0+cpu (CI, CPU interpreter)", "2.11.0+cu130 (H200)"],
           "triton": [f"{v}x" for v in triton_internals.TESTED], "python": ["3.11"], "transformers": ["5.24.0"]}
-HEAD_DIMS = sorted(TABLE["fwd"])
+# (q/k, v) head dims of the coverage table: each tile row of config.TABLE with v as wide, and MLA prefill's pair.
+HEAD_DIMS = [(d, d) for d in sorted(TABLE["fwd"])] + [(192, 128)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Feature class -> the properties hopper_unsupported is asked about for it (causal, windows and varlen change nothing
 # in the answer: the Gluon kernels have them; they are rows of their own because users ask about them).
@@ -86,38 +87,38 @@ def environment() -> dict:
             "hopper_path": env.hopper(), "tested": TESTED}
 
 
-def _tiles(gluon: bool, head_dim: int, fp32: bool, backward: bool, dropout: bool) -> dict:
+def _tiles(gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, backward: bool, dropout: bool) -> dict:
     names = KERNELS if backward else KERNELS[:1]
     if gluon:
         cfgs = {k: HOPPER[k][head_dim] for k in names}
         return {k: f"{c.block_m}x{c.block_n} s{c.stages}" for k, c in cfgs.items()}
-    cfgs = {k: table_config(k, head_dim, fp32, dropout) for k in names}
+    cfgs = {k: table_config(k, max(head_dim, head_dim_v), fp32, dropout, head_dim_v) for k in names}
     return {k: f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" for k, c in cfgs.items()}
 
 
 def coverage() -> dict:
-    """{"target": what the table describes, "rows": [...]}: for each dtype x head dim x feature class, the kernel
-    path ('gluon-sm90' or 'triton'), why not Gluon, and the tile of each kernel (fwd, bwd_dq, bwd_dkdv; paged K/V
-    has no backward, and decode runs its own kernel whose tile is given too)."""
+    """{"target": what the table describes, "rows": [...]}: for each dtype x (q/k, v) head dims x feature class,
+    the kernel path ('gluon-sm90' or 'triton'), why not Gluon, and the tile of each kernel (fwd, bwd_dq, bwd_dkdv;
+    paged K/V has no backward, and decode runs its own kernel whose tile is given too)."""
     gpu = torch.cuda.is_available() and not env.INTERPRET
     device = torch.device("cuda") if gpu else None
     target = (f"{torch.cuda.get_device_name(0)} (this machine's GPU)" if gpu
               else "an sm_90 GPU (H100/H200): this machine has none; its interpreter uses 32x16 test tiles")
     rows = []
     for dtype_name, dtype in DTYPES.items():
-        for d in HEAD_DIMS:
+        for d, dv in HEAD_DIMS:
             for feature, props in FEATURES.items():
                 if gpu:
-                    reason = hopper_unsupported(device, dtype, d, **props)
+                    reason = hopper_unsupported(device, dtype, d, head_dim_v=dv, **props)
                 elif not env.hopper():
                     reason = "switched off by FLASHTILE_HOPPER=0"
                 else:
-                    reason = feature_unsupported(dtype, d, **props)
+                    reason = feature_unsupported(dtype, d, head_dim_v=dv, **props)
                 gluon = reason is None
                 paged = feature == "paged"
-                row = {"dtype": dtype_name, "head_dim": d, "feature": feature,
+                row = {"dtype": dtype_name, "head_dim": d, "head_dim_v": dv, "feature": feature,
                        "path": HOPPER_PATH if gluon else TRITON, "why": reason,
-                       "tiles": _tiles(gluon, d, dtype == torch.float32, backward=not paged,
+                       "tiles": _tiles(gluon, d, dv, dtype == torch.float32, backward=not paged,
                                        dropout=props.get("dropout", False))}
                 if paged:
                     c = DECODE_TABLE[block_d(d)]
@@ -141,13 +142,14 @@ def format_info(env_info: dict, cov: dict) -> str:
              "",
              f"coverage on {cov['target']}",
              "(tiles: BLOCK_M x BLOCK_N, warps, stages. A head dim between two rows runs the larger row's Triton tiles,"
-             " a v head dim narrower than q/k's (MLA prefill's 192/128) config.NARROW_V's; the Gluon kernels take 128"
-             " exactly)"]
+             " a v head dim narrower than q/k's config.NARROW_V's; the Gluon kernels take 128 and MLA prefill's"
+             " 192/128 exactly)"]
     header = ("dtype", "d", "feature", "path", "fwd", "bwd_dq", "bwd_dkdv / decode", "why not Gluon")
     table = []
     for r in cov["rows"]:
         tiles = r["tiles"]
-        table.append((r["dtype"], str(r["head_dim"]), r["feature"], r["path"], tiles["fwd"], tiles.get("bwd_dq", "-"),
+        dims = str(r["head_dim"]) if r["head_dim_v"] == r["head_dim"] else f"{r['head_dim']}/{r['head_dim_v']}"
+        table.append((r["dtype"], dims, r["feature"], r["path"], tiles["fwd"], tiles.get("bwd_dq", "-"),
                       tiles.get("bwd_dkdv") or f"decode {tiles['decode']}", r["why"] or ""))
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header[:-1])]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
