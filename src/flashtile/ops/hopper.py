@@ -172,6 +172,20 @@ def _descs(key: Optional[tuple], *boxes: tuple[torch.Tensor, int]) -> tuple:
     return tuple(descriptor(TensorDescriptor, t, f) for (t, _), f in zip(boxes, fields))
 
 
+def _part_descs(key: Optional[tuple], first: int, tail: int, boxes: tuple, split: tuple) -> tuple:
+    """_descs over `boxes`, each tensor whose index is in `split` (q/k-wide: Q, K, dQ, dK) followed by its tail's
+    descriptor (Note [head dim parts] in kernels/hopper_common.py): with a tail, descriptors over the tensor's
+    first `first` columns and over the rest (a view HEAD_DIM elements in, on the same storage); without one, the
+    tensor's own descriptor twice, the second unused."""
+    if tail:
+        parts = []
+        for i, (t, rows) in enumerate(boxes):
+            parts += [(t[..., :first], rows), (t[..., first:], rows)] if i in split else [(t, rows)]
+        return _descs(key, *parts)
+    descs = _descs(key, *boxes)
+    return tuple(d for i, desc in enumerate(descs) for d in ((desc, desc) if i in split else (desc,)))
+
+
 @functools.lru_cache(maxsize=1024)
 def _desc_fields(shape: torch.Size, stride: tuple, dtype: torch.dtype, rows: int) -> dict:
     """A descriptor's fields but the tensor, per layout (a model has a few; Triton's launcher only reads them)."""
@@ -243,13 +257,8 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
                                  HEAD_DIM_TAIL=tail, HAS_SINK=learnable_sink is not None))
 
     key = None if key is None else (key, programs, 0)
-    if tail:  # Q's and K's first columns and their tail through descriptors of their own (HEAD_DIM_TAIL)
-        Q, Q2, K, K2, V, O = _descs(key, (q[..., :first], cfg.block_m), (q[..., first:], cfg.block_m),
-                                    (k[..., :first], cfg.block_n), (k[..., first:], cfg.block_n), (v, cfg.block_n),
-                                    (out, cfg.block_m))
-    else:
-        Q, K, V, O = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out, cfg.block_m))
-        Q2, K2 = Q, K
+    Q, Q2, K, K2, V, O = _part_descs(key, first, tail, ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
+                                                        (out, cfg.block_m)), split=(0, 1))
     dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, O=O, O_PTR=out if varlen else None, LSE=lse, SINK=learnable_sink,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[0] if varlen else dense_counter(q.device, 0), qk_scale=qk_scale)
@@ -290,16 +299,11 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
                                  HEAD_DIM_TAIL=tail))
 
     key = None if key is None else (key, programs, 2)
-    if tail:  # as the forward's: Q's, K's and dQ's first columns and their tails
-        Q, Q2, K, K2, V, DO, DQ, DQ2 = _descs(
-            key, (q[..., :first], cfg.block_m), (q[..., first:], cfg.block_m), (k[..., :first], cfg.block_n),
-            (k[..., first:], cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (dq[..., :first], cfg.block_m),
-            (dq[..., first:], cfg.block_m))
-    else:
-        Q, K, V, DO, DQ = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
-                                 (dq, cfg.block_m))
-        Q2, K2, DQ2 = Q, K, DQ
-    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DQ=DQ, DQ2=DQ2, DQ_PTR=dq if varlen else None, OUT=out, LSE=lse, DELTA=delta,
+    Q, Q2, K, K2, V, DO, DQ, DQ2 = _part_descs(key, first, tail, ((q, cfg.block_m), (k, cfg.block_n),
+                                                                  (v, cfg.block_n), (dout, cfg.block_m),
+                                                                  (dq, cfg.block_m)), split=(0, 1, 4))
+    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DQ=DQ, DQ2=DQ2, DQ_PTR=dq if varlen else None, OUT=out,
+                   LSE=lse, DELTA=delta,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[2] if varlen else dense_counter(q.device, 2), qk_scale=qk_scale,
                    softmax_scale=softmax_scale)
@@ -339,16 +343,12 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                                  HEAD_DIM_TAIL=tail))
 
     key = None if key is None else (key, programs, 1)
-    if tail:  # as the forward's: Q's, K's and dK's first columns and their tails
-        Q, Q2, K, K2, V, DO, DK, DK2, DV = _descs(
-            key, (q[..., :first], cfg.block_m), (q[..., first:], cfg.block_m), (k[..., :first], cfg.block_n),
-            (k[..., first:], cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m), (dk[..., :first], cfg.block_n),
-            (dk[..., first:], cfg.block_n), (dv, cfg.block_n))
-    else:
-        Q, K, V, DO, DK, DV = _descs(key, (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dout, cfg.block_m),
-                                     (dk, cfg.block_n), (dv, cfg.block_n))
-        Q2, K2, DK2 = Q, K, DK
-    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DK=DK, DK2=DK2, DV=DV, DK_PTR=dk if varlen else None, DV_PTR=dv if varlen else None,
+    Q, Q2, K, K2, V, DO, DK, DK2, DV = _part_descs(key, first, tail, ((q, cfg.block_m), (k, cfg.block_n),
+                                                                      (v, cfg.block_n), (dout, cfg.block_m),
+                                                                      (dk, cfg.block_n), (dv, cfg.block_n)),
+                                                   split=(0, 1, 4))
+    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DK=DK, DK2=DK2, DV=DV, DK_PTR=dk if varlen else None,
+                   DV_PTR=dv if varlen else None,
                    LSE=lse, DELTA=delta, TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else dense_counter(q.device, 1),
                    qk_scale=qk_scale, softmax_scale=softmax_scale)
