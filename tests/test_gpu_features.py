@@ -82,10 +82,10 @@ def test_head_dim_v(device, dims):
 
 
 @pytest.mark.parametrize("case", ["causal", "none", "window-sink", "chunk", "fp16-mqa", "varlen", "varlen-causal"])
-def test_mla_prefill_on_the_hopper_forward(device, case):
+def test_mla_prefill_on_the_hopper_kernels(device, case):
     """q/k 192 with v 128 (DeepSeek-V3/Kimi prefill) runs the Gluon kernels on an sm_90 GPU, reading Q, K, dQ and
-    dK as 128 + 64 columns (Note [head dim parts] in kernels/hopper_common.py): lengths that end inside and on the edges of the 64-row query and
-    128-key tiles, GQA and MQA, fp16, windows with a sink, chunks, ragged varlen sequences (0, 1, 129 tokens);
+    dK as 128 + 64 columns (Note [head dim parts] in kernels/hopper_common.py): lengths that end inside and on the
+    edges of the tiles, GQA and MQA, fp16, windows with a sink, chunks, ragged varlen sequences (0, 1, 129 tokens);
     out, lse and every gradient against the reference, then the paths the calls took (check_attention's call
     last; a varlen case's)."""
     if case.startswith("varlen"):

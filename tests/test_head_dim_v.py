@@ -365,7 +365,7 @@ def test_narrow_v_tiles_reach_every_launch(monkeypatch):
     """config.NARROW_V's tiles (MLA prefill: q/k 192 padded to 256 beside v 128) are the ones a 192/128 call
     launches, forward, dQ and dK/dV alike, with the dQ kernel's varlen tile list; a d256 v keeps the table's.
     The launches as on an sm_90 GPU (capture_launches: recorded, not run) with the Gluon path off, as on other
-    GPUs (on sm_90, 192/128's forward runs the Gluon kernel: tests/test_hopper.py)."""
+    GPUs (on sm_90, 192/128 runs the Gluon kernels: tests/test_hopper.py)."""
     from flashtile import env
     from flashtile.config import NARROW_V, TABLE
     from flashtile.ops.launch import capture_launches
