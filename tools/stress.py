@@ -1,6 +1,6 @@
 """Multi-process stress run on one GPU: several processes draw random problems (dense, packed, varlen, KV-cache;
 dtypes, head dims to 512, lengths, masks, softcap, ALiBi, GQA; the dense ones also dropout, sinks, chunks and a v
-head dim of their own) and run each one's backward repeatedly on one graph, checking the first result against the
+head dim of their own; one dense or varlen problem in five is MLA prefill's 192/128 on the Gluon path) and run each one's backward repeatedly on one graph, checking the first result against the
 fp64 oracle (flashtile.testing's 2x-PyTorch-error rule) and every rerun bitwise against the first. Races between
 kernels, and between processes sharing the GPU, show only under such load: this is how a flash-attn-style matrix
 found the backward's illegal memory access at head dims above 128.
@@ -65,6 +65,9 @@ def _case(rng: random.Random, kinds: list[str]) -> dict:
                                                                              for _ in range(n)])
         if sum(case["lens_q"]) == 0:
             case["lens_q"][0] = 1
+    if kind in ("dense", "varlen") and rng.random() < 0.2:
+        # MLA prefill (q/k 192, v 128) with nothing that keeps it off the Gluon kernels' 128 + 64 reading
+        case.update(head_dim=192, head_dim_v=128, softcap=0.0, alibi=False, dropout=0.0)
     else:
         case.update(batch=rng.randint(1, 4), seqlen_q=rng.choice([1, 1, 2, 4]), capacity=1024,
                     page_size=rng.choice([None, 1, 16, 256]), seqlen_new=rng.choice([0, 1, 3]),
@@ -143,8 +146,9 @@ def _run(case: dict, reruns: int) -> None:
         lens_q, lens_k = case["lens_q"], case["lens_k"]
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                       for x in (lens_q, lens_k))
-        q, k, v = randn(sum(lens_q), h, d), randn(sum(lens_k), hk, d), randn(sum(lens_k), hk, d)
-        dout = randn(*q.shape)
+        dv = case.get("head_dim_v") or d
+        q, k, v = randn(sum(lens_q), h, d), randn(sum(lens_k), hk, d), randn(sum(lens_k), hk, dv)
+        dout = randn(*q.shape[:-1], dv)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = flashtile.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
         for _ in range(case.get("fwd_reruns", 0)):
