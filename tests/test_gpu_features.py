@@ -10,7 +10,7 @@ import torch
 import flashtile
 from flashtile.testing import attention_ref, check_attention, check_close, nan_guarded
 from test_chunked import chunk_case, chunk_varlen_case
-from test_head_dim_v import dv_varlen_case
+from test_head_dim_v import dv_case, dv_varlen_case
 from test_sinks import sink_case, sink_varlen_case
 
 pytestmark = pytest.mark.gpu
@@ -94,25 +94,16 @@ def test_mla_prefill_on_the_hopper_kernels(device, case):
     elif case == "window-sink":
         g = torch.Generator().manual_seed(4)
         sink = torch.randn(4, generator=g).to(device)
-        _dims_case(device, 2, 700, 900, 4, 2, causal=True, window_size=(127, 0), learnable_sink=sink)
+        dv_case(device, 2, 700, 900, 4, 2, 192, 128, torch.bfloat16, causal=True, window_size=(127, 0),
+                learnable_sink=sink)
     else:
         kw = {"causal": dict(causal=True), "none": {}, "chunk": dict(causal=True, attention_chunk=192),
               "fp16-mqa": dict(causal=True)}[case]
         heads = (4, 1) if case == "fp16-mqa" else (4, 2)
         dtype = torch.float16 if case == "fp16-mqa" else torch.bfloat16
-        _dims_case(device, 2, 1000 if case == "none" else 700, 1000 if case == "none" else 900, *heads,
-                   dtype=dtype, **kw)
+        dv_case(device, 2, 1000 if case == "none" else 700, 1000 if case == "none" else 900, *heads, 192, 128, dtype,
+                **kw)
     _assert_the_last_call_ran_gluon(device)
-
-
-def _dims_case(device, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim=192, head_dim_v=128,
-               dtype=torch.bfloat16, seed=0, **kw):
-    g = torch.Generator().manual_seed(seed)
-    q = nan_guarded((batch, seqlen_q, nheads, head_dim), dtype, device, g)
-    k = nan_guarded((batch, seqlen_k, nheads_kv, head_dim), dtype, device, g)
-    v = nan_guarded((batch, seqlen_k, nheads_kv, head_dim_v), dtype, device, g)
-    dout = torch.randn(batch, seqlen_q, nheads, head_dim_v, generator=g).to(device, dtype)
-    check_attention(q, k, v, dout, **kw)
 
 
 @pytest.mark.parametrize("head_dim", [512, 448])
