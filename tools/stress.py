@@ -1,7 +1,8 @@
 """Multi-process stress run on one GPU: several processes draw random problems (dense, packed, varlen, KV-cache;
 dtypes, head dims to 512, lengths, masks, softcap, ALiBi, GQA; the dense ones also dropout, sinks, chunks and a v
-head dim of their own; one dense or varlen problem in five is MLA prefill's 192/128 on the Gluon path) and run each one's backward repeatedly on one graph, checking the first result against the
-fp64 oracle (flashtile.testing's 2x-PyTorch-error rule) and every rerun bitwise against the first. Races between
+head dim of their own; one dense or varlen problem in five is MLA prefill's 192/128 on the Gluon path) and run
+each one's backward repeatedly on one graph, checking the first result against the fp64 oracle
+(flashtile.testing's 2x-PyTorch-error rule) and every rerun bitwise against the first. Races between
 kernels, and between processes sharing the GPU, show only under such load: this is how a flash-attn-style matrix
 found the backward's illegal memory access at head dims above 128.
 

@@ -398,9 +398,9 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
-                        qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32,
-                        seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
+def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q,
+                        CU_SEQLENS_K, COUNTER, qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32,
+                        seqlen_q: gl.int32, seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
                         stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items: gl.int32, heads: gl.int32,
                         chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
