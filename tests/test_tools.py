@@ -33,12 +33,33 @@ def test_readme_lists_every_tool():
             assert name in readme, f"README.md does not list tools/{name}"
 
 
-def _sass_diff():
+def _tool(name):
     import importlib.util
-    spec = importlib.util.spec_from_file_location("sass_diff", os.path.join(TOOLS, "sass_diff.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _sass_diff():
+    return _tool("sass_diff")
+
+
+def test_stress_problems_keep_their_kind():
+    """tools/stress.py's problems: a dense or varlen one never takes a KV-cache problem's fields (a misplaced
+    branch once gave four in five dense problems a KV-cache step's batch and 1-4 query rows, and varlen ones a batch
+    their ALiBi slopes were shaped by), and about one dense or varlen problem in five is MLA prefill's 192/128."""
+    import random
+    stress = _tool("stress")
+    rng = random.Random(0)
+    kinds = ["dense", "qkvpacked", "varlen", "varlen_short", "kvcache"]
+    cases = [stress._case(rng, kinds) for _ in range(2000)]
+    for case in cases:
+        assert ("capacity" in case) == (case["kind"] == "kvcache"), case
+        assert ("lens_q" in case) == case["kind"].startswith("varlen"), case
+    prefill = [c for c in cases if c["kind"] in ("dense", "varlen")]
+    mla = [c for c in prefill if (c["head_dim"], c.get("head_dim_v")) == (192, 128)]
+    assert 0.15 < len(mla) / len(prefill) < 0.3
 
 
 SASS = """

@@ -66,13 +66,13 @@ def _case(rng: random.Random, kinds: list[str]) -> dict:
                                                                              for _ in range(n)])
         if sum(case["lens_q"]) == 0:
             case["lens_q"][0] = 1
-    if kind in ("dense", "varlen") and rng.random() < 0.2:
-        # MLA prefill (q/k 192, v 128) with nothing that keeps it off the Gluon kernels' 128 + 64 reading
-        case.update(head_dim=192, head_dim_v=128, softcap=0.0, alibi=False, dropout=0.0)
     else:
         case.update(batch=rng.randint(1, 4), seqlen_q=rng.choice([1, 1, 2, 4]), capacity=1024,
                     page_size=rng.choice([None, 1, 16, 256]), seqlen_new=rng.choice([0, 1, 3]),
                     seqlens=[rng.randint(0, 1020) for _ in range(4)])
+    if kind in ("dense", "varlen") and rng.random() < 0.2:
+        # MLA prefill (q/k 192, v 128) with nothing that keeps it off the Gluon kernels' 128 + 64 reading
+        case.update(head_dim=192, head_dim_v=128, softcap=0.0, alibi=False, dropout=0.0)
     return case
 
 
