@@ -39,6 +39,34 @@ def test_v_narrower(device):
     wide_case(device, 21, 30, 64, head_dim_v=512, causal=True)
 
 
+def test_v_parts_read_their_head(device):
+    """A V 512 wide runs as two programs per query tile, each half of V's columns (Note [V parts] in
+    kernels/fwd.py): the features that read the query head (ALiBi, sinks, GQA) must see the head, not the part."""
+    slopes = torch.tensor([0.25, 0.5], device=device)
+    sink = torch.tensor([1.5, -0.5], device=device)
+    wide_case(device, 25, 40, 512, causal=True, alibi_slopes=slopes, learnable_sink=sink, seed=6)
+    wide_case(device, 25, 40, 512, torch.bfloat16, window_size=(11, 3), learnable_sink=sink, seed=7)
+
+
+def test_v_parts_launch(monkeypatch):
+    """Which forwards split V (16-bit inputs with v 512 wide) and the grid that gives them: two programs per
+    (query tile, head), the parts fastest within a head's pair."""
+    from flashtile import env
+    from flashtile.ops.launch import capture_launches
+
+    monkeypatch.setattr(env, "INTERPRET", False)
+    for dtype, dv, parts in ((torch.float16, 512, 2), (torch.bfloat16, 512, 2), (torch.float32, 512, 1),
+                             (torch.float16, 256, 1), (torch.float16, 448, 1)):
+        q, k = (torch.randn(2, 70, 3, 512).to(dtype) for _ in range(2))
+        v = torch.randn(2, 70, 3, dv).to(dtype)
+        with capture_launches() as launches:
+            flashtile.flash_attn_func(q, k, v, causal=True)
+        (launch,) = launches
+        assert launch.kwargs["V_PARTS"] == parts, (dtype, dv)
+        assert launch.kwargs["HEAD_DIM_V"] == dv // parts, (dtype, dv)
+        assert launch.grid[1:] == (3 * parts, 2), (dtype, dv)
+
+
 def test_varlen(device):
     lens = [9, 1, 37]
     g = torch.Generator().manual_seed(4)

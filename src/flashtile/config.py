@@ -40,6 +40,9 @@ _DQ_SMALL_D = ("d64's measured tile at 3 stages, not measured: at 2 the ptxas bu
 
 _D512 = ("d512 (Gemma 4): a tile that fits sm_90's shared memory without spilling much (tests/sm90_compile.py; "
          "the backward's 32-row tiles run mma.sync, not wgmma), not timed")
+_D512_DQ = ("measured on H200, 2026-12-03, triton 3.6: d512 backward ms at b4 x 4k x h4, non-causal / causal, "
+            "18.73 / 8.76 against 1 stage's 21.13 / 9.84 (dK/dV at (32, 32, 8, 1)); a (32, 16, 8, 2) dK/dV tile was "
+            "slower with either (18.89 / 9.75, 20.94 / 10.61)")
 _D512_FWD = ("measured on H200, 2026-12-03, triton 3.6: forward TFLOP/s at S = 4k / 16k, non-causal and causal, "
              "237 / 215 / 233 / 252 against (64, 32, 8, 2)'s 202 / 185 / 203 / 211; (64, 16, 8, 3) 127-147, "
              "(128, 32, 8, 1) 49-61; (64, 32, 8, 3) does not fit shared memory")
@@ -70,7 +73,7 @@ TABLE: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(64, 64, 4, 2, _H200),
         128: TileConfig(128, 64, 8, 3, _H200_S4),
         256: TileConfig(64, 64, 4, 2, _H200),
-        512: TileConfig(32, 32, 8, 1, _D512),
+        512: TileConfig(32, 32, 8, 2, _D512_DQ),
     },
 }
 
@@ -105,11 +108,16 @@ _MLA_DKDV = ("measured as _MLA_FWD: backward ms 7.674 / 4.342 against the d256 r
              "(64, 32, 4, 2) 9.042 / 4.911, (64, 64, 4, 2) 9.797 / 5.399. Faster, but ptxas serialises their wgmma "
              "(255 registers, 544-656 bytes spilled; tests/sm90_compile.py refuses it): (32, 64, 4, 2) 5.749 / "
              "4.171, (32, 128, 8, 2) 6.977 / 4.312")
+_D512_PARTS = ("measured on H200, 2026-12-03, triton 3.6: d512 forward as two (512, 256) launches, one per half of V's "
+               "columns (Note [V parts] in kernels/fwd.py), TFLOP/s of the d512 problem at S = 4k / 16k, non-causal "
+               "and causal: 265 / 228 / 274 / 274 against one d512 launch's 238 / 214 / 233 / 251; (128, 32, 8, 2) "
+               "194-260, (64, 32, 4, 2) 160-187, (128, 16, 8, 2) 120-155, 8-warp tiles of 64 rows 67-133")
 # kernel -> (padded q/k head dim, padded v head dim) -> config where v is narrower than q/k (MLA prefill's 192/128,
 # whose q/k pad to 256): the d256 row's tiles are sized for a V, O, dO and dV 256 wide, and a 128-wide one leaves
-# registers and shared memory for others.
+# registers and shared memory for others. (512, 256) is the forward's tile for one half of a V 512 wide (Note [V
+# parts] in kernels/fwd.py).
 NARROW_V: dict[str, dict[tuple[int, int], TileConfig]] = {
-    "fwd": {(256, 128): TileConfig(128, 64, 8, 3, _MLA_FWD)},
+    "fwd": {(256, 128): TileConfig(128, 64, 8, 3, _MLA_FWD), (512, 256): TileConfig(64, 32, 4, 3, _D512_PARTS)},
     "bwd_dq": {(256, 128): TileConfig(64, 64, 4, 3, _MLA_DQ)},
     "bwd_dkdv": {(256, 128): TileConfig(64, 64, 8, 2, _MLA_DKDV)},
 }
@@ -189,6 +197,13 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
     if first < 16 or first + tail >= padded:
         return padded, 0
     return first, tail
+
+
+def v_parts(head_dim_v: int, fp32: bool) -> int:
+    """How many programs of the Triton forward share a query tile, each its part of V's and O's columns (Note [V
+    parts] in kernels/fwd.py): 2 for a V 512 wide in 16-bit inputs (each part takes NARROW_V's (512, 256) tile),
+    else 1."""
+    return 2 if head_dim_v == 512 and not fp32 else 1
 
 
 def tile_config(kernel: str, head_dim: int, fp32: bool = False, dropout: bool = False,

@@ -28,7 +28,7 @@ from typing import Iterable, Optional
 import torch
 
 from . import env
-from .config import DECODE_TABLE, HOPPER, TABLE, block_d, table_config
+from .config import DECODE_TABLE, HOPPER, TABLE, block_d, table_config, v_parts
 from .ops import triton_internals
 from .ops.hopper import HOPPER_PATH, TRITON, feature_unsupported, hopper_unsupported
 
@@ -92,8 +92,10 @@ def _tiles(gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, backward: bo
     if gluon:
         cfgs = {k: HOPPER[k][head_dim] for k in names}
         return {k: f"{c.block_m}x{c.block_n} s{c.stages}" for k, c in cfgs.items()}
-    cfgs = {k: table_config(k, max(head_dim, head_dim_v), fp32, dropout, head_dim_v) for k in names}
-    return {k: f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" for k, c in cfgs.items()}
+    parts = {k: v_parts(head_dim_v, fp32) if k == "fwd" else 1 for k in names}  # Note [V parts] in kernels/fwd.py
+    cfgs = {k: table_config(k, max(head_dim, head_dim_v), fp32, dropout, head_dim_v // parts[k]) for k in names}
+    return {k: f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" + (f" x{parts[k]}" if parts[k] > 1 else "")
+            for k, c in cfgs.items()}
 
 
 def coverage() -> dict:
@@ -141,7 +143,8 @@ def format_info(env_info: dict, cov: dict) -> str:
              "tested with: " + "; ".join(f"{k} {', '.join(v)}" for k, v in env_info["tested"].items()),
              "",
              f"coverage on {cov['target']}",
-             "(tiles: BLOCK_M x BLOCK_N, warps, stages. A head dim between two rows runs the larger row's Triton tiles,"
+             "(tiles: BLOCK_M x BLOCK_N, warps, stages, and x2 where two programs split V's columns. A head dim"
+             " between two rows runs the larger row's Triton tiles,"
              " a v head dim narrower than q/k's config.NARROW_V's; the Gluon kernels take 128 and MLA prefill's"
              " 192/128 exactly)"]
     header = ("dtype", "d", "feature", "path", "fwd", "bwd_dq", "bwd_dkdv / decode", "why not Gluon")

@@ -35,6 +35,15 @@ list ordered longest first (Notes [varlen tile list] and [longest sequences firs
 Note [varlen grid order] in hopper_fwd.py). Either way a program computes exactly one tile: a loop over tiles
 around the body would make Triton hoist the O staging buffer out of it, 16 KB more shared memory per program (d256
 would no longer fit on sm_90).
+
+Note [V parts]: at V_PARTS > 1 (ops/call.OpProblem.v_parts: a V 512 wide, 16-bit inputs) the grid's heads are
+(head, part) pairs, and the V_PARTS programs of a query tile each compute the whole Q Kᵀ and softmax but only their
+HEAD_DIM_V columns of V and O, from part * HEAD_DIM_V on; the first stores the LSE, which every part computes
+alike. That is 1.5x the FLOPs of one 512-wide program at two parts, for an accumulator of d256's size: a 64 x 512
+fp32 accumulator takes 128 registers a thread even over 8 warps, and config.TABLE's d512 tile, one stage of K/V,
+builds at 255 registers with 700-2400 bytes of spill stores (tests/sm90_compile.py); a part's tile (config.NARROW_V's
+(512, 256): 4 warps, 3 stages) builds at 239-241 registers without a spill in the dense builds. On the H200 the
+parts ran the d512 forward 7-18% faster than one 512-wide program (docs/perf.md, "Model shapes").
 """
 
 import triton
@@ -140,11 +149,17 @@ def _attn_fwd_kernel(
     PAGED: tl.constexpr, DESC: tl.constexpr, STEP: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, V_PARTS: tl.constexpr,
 ):
     # Longest tiles first: under a causal mask the last query tiles do the most work, so launch them first and
     # let the short ones fill the tail of the wave (across sequences: Note [longest sequences first]).
     b, pid_m, h, heads = tile_coords(SCHEDULE, batch, BLOCK_M, True, IS_VARLEN, STEP)
+    part = 0
+    if V_PARTS > 1:  # Note [V parts]: the grid's heads are (head, part) pairs, the parts fastest
+        tl.static_assert(DESC == DESC_ROW, "V parts offset the device-built descriptors of V and O")
+        part = h % V_PARTS
+        h = h // V_PARTS
+        heads = heads // V_PARTS
     hk = h // GROUP
     q_start, seqlen_q = seq_info(b, seqlen_q, CU_SEQLENS_Q, SEQUSED_Q, IS_VARLEN, HAS_SEQUSED_Q)
     k_start, seqlen_k = seq_info(b, seqlen_k, CU_SEQLENS_K, SEQUSED_K, IS_VARLEN, HAS_SEQUSED_K, not PAGED)
@@ -159,15 +174,15 @@ def _attn_fwd_kernel(
     if DESC == DESC_ROW:
         q_src = row_desc(Q + b64 * stride_qb + q_start * stride_qm + h64 * stride_qh,
                          seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
-        o_src = row_desc(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh,
+        o_src = row_desc(O + b64 * stride_ob + q_start * stride_om + h64 * stride_oh + part * HEAD_DIM_V,
                          seqlen_q, stride_om, BLOCK_M, HEAD_DIM_V, BLOCK_DV)
         if PAGED:
             k_src = K + hk64 * stride_kh
-            v_src = V + hk64 * stride_vh
+            v_src = V + hk64 * stride_vh + part * HEAD_DIM_V
         else:
             k_src = row_desc(K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh,
                              seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
-            v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh,
+            v_src = row_desc(V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh + part * HEAD_DIM_V,
                              seqlen_k, stride_vn, BLOCK_N, HEAD_DIM_V, BLOCK_DV)
     else:
         q_src, k_src, v_src = Q, K, V
@@ -227,4 +242,5 @@ def _attn_fwd_kernel(
     if HAS_DROPOUT:
         out = out * drop_scale
     store_rows(o_src, m_start, b, h, out, DESC_ROW if DESC == DESC_PACKED else DESC)
-    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
+    # Every part computes the same LSE; the first stores it.
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + offs_m, lse, mask=(offs_m < seqlen_q) & (part == 0))

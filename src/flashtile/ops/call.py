@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import env
+from ..config import v_parts
 from .common import unpack
 from .descriptors import tma_ready
 from . import device as devices
@@ -77,6 +78,11 @@ class OpProblem(NamedTuple):
     def tile_dim(self) -> int:
         """The head dim the tile table is read at: the wider of the two (config.py sizes tiles for it)."""
         return max(self.head_dim, self.head_dim_v)
+
+    @property
+    def v_parts(self) -> int:
+        """How many programs of the Triton forward share a query tile (config.v_parts)."""
+        return v_parts(self.head_dim_v, self.q.dtype == torch.float32)
 
     @property
     def fwd_gluon(self) -> bool:
