@@ -9,11 +9,13 @@ Notation:
              fwd.py), so `merge_states` treats +inf as empty too: partial results written by any flashtile kernel
              can be merged as they are.
   R, BLOCK_R rows (batch x query token x head) and rows per combine program.
-  D, BLOCK_D head dim and its power-of-two tile width; columns past D are masked.
+  D, BLOCK_D head dim and the columns per combine program (a power of two); columns past D are masked.
 
 `merge_states` is the reusable piece (split-KV decode here, context-parallel attention elsewhere).
 `_combine_kernel` folds num_splits states per row into one and writes out in the output dtype and lse in natural
-log units with flash-attn's +inf for rows that saw no key. It does not compute attention.
+log units with flash-attn's +inf for rows that saw no key. Its grid is (row blocks, column blocks): each program
+merges its rows' lse in full and their o in its BLOCK_D columns (ops/decode.combine_into says why). It does not
+compute attention.
 """
 
 import triton
@@ -58,7 +60,7 @@ def _combine_kernel(
     h = r % nheads
     t = (r // nheads) % seqlen_q
     b = (r // nheads // seqlen_q).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = r < n_rows
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     o_rows = b * stride_pb + t * stride_pm + h * stride_ph
@@ -77,4 +79,4 @@ def _combine_kernel(
     out_rows = b * stride_ob + t * stride_om + h * stride_oh
     tl.store(O + out_rows[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=mask)
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LN2)
-    tl.store(LSE + b * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok)
+    tl.store(LSE + b * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok & (tl.program_id(1) == 0))

@@ -6,7 +6,8 @@ How each kernel is parallelised:
   decode      grid (num_m_tiles * num_splits, Hk, B): one program per packed query tile (GROUP heads x Sq tokens),
               KV split, KV head and sequence; see kernels/decode.py. With num_splits > 1 it writes fp32 partial
               states and `combine` folds them; with one split it writes the output directly.
-  combine     grid (cdiv(B * Sq * H, BLOCK_R),): each program merges all splits of BLOCK_R rows.
+  combine     grid (cdiv(B * Sq * H, BLOCK_R), cdiv(D, BLOCK_D)): each program merges all splits of BLOCK_R rows
+              in BLOCK_D columns (at most COMBINE_BLOCK_D).
 
 Nothing here synchronises with the device: every launch decision (tile sizes, number of splits) comes from
 shapes, so a decode step can be captured in a CUDA graph. Argument checking happens at the public API
@@ -34,6 +35,9 @@ APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a 
 COMBINE_BLOCK_R = (4, 16)  # rows per combine program: the first while rows are too few to fill the GPU
 SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append: one pass, nothing to pipeline
 COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits ahead in flight (combine.py)
+# Columns per combine program: a wide V's rows (absorbed MLA decode's 512) are merged by several programs, each
+# chaining every split's load of its columns, so that few rows still fill the GPU (Note [combine columns]).
+COMBINE_BLOCK_D = 128
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
 # Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
@@ -178,19 +182,29 @@ def _(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotar
 def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor) -> None:
     """Merge (num_splits, B, Sq, H, D) / (num_splits, B, H, Sq) partial states into out (B, Sq, H, D) and lse
-    (B, H, Sq)."""
+    (B, H, Sq).
+
+    Note [combine columns]: a program chains its splits' loads (three in flight: COMBINE_OPTS), so the combine is
+    bound by latency where its programs are few. Absorbed MLA decode at 16 heads has 16 rows a sequence 512 wide:
+    at b16, 64 programs of 4 rows read 16 splits each. With COMBINE_BLOCK_D columns a program, 256 programs share
+    that work, each merging the lse of its rows again (a load of 4 bytes a row and split beside its o's 512);
+    the first column block stores the lse. Measured on the H200 (`--preset mla-decode --heads 16 --page-size 0`,
+    TB/s of cache, CUDA graphs, one run each): b16 at 4k / 8k / 32k 1.55 / 1.99 / 3.27 -> 1.73 / 2.24 / 3.45, b32
+    2.29 / 2.96 / 3.84 -> 2.46 / 3.10 / 3.91, b64 even (3.13 / 3.60 / 4.09 -> 3.11 / 3.61 / 4.08). Head dims up to
+    128 keep one column block."""
     num_splits, batch, seqlen_q, nheads, head_dim = out_partials.shape
     n_rows = batch * seqlen_q * nheads
     if n_rows == 0 or head_dim == 0:
         return
     small, large = COMBINE_BLOCK_R
     block_r = large if n_rows >= large * sm_count(out.device) else small
+    columns = min(block_d(head_dim), COMBINE_BLOCK_D)
     launch_direct(
-        _combine_kernel, (cdiv(n_rows, block_r),),
+        _combine_kernel, (cdiv(n_rows, block_r), cdiv(head_dim, columns)),
         out_partials, lse_partials, out, lse,
         *out_partials.stride()[:4], *lse_partials.stride()[:4], *out.stride()[:3], *lse.stride(),
         num_splits, seqlen_q, nheads, n_rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=block_r, **COMBINE_OPTS,
+        HEAD_DIM=head_dim, BLOCK_D=columns, BLOCK_R=block_r, **COMBINE_OPTS,
     )
 
 
