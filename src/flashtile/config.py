@@ -94,8 +94,11 @@ _DROPOUT_D64 = ("measured on H200, 2026-12-03, triton 3.6, p = 0.1 (the dK/dV ti
                 "with 8 warps were slower than the table's too (docs/perf.md)")
 # kernel -> padded head dim -> config with dropout where the mask changes which tile is fastest: the dK/dV kernel's
 # tile turns queries x keys with dropout (Note [dropout mask]), so the table's, sized for keys x queries, is not.
+_DROPOUT_D512 = ("measured on H200, 2026-12-03, triton 3.6, p = 0.1: d512 backward 2.78 ms at b2 x 2k x h4 causal "
+                 "against the table's (32, 32, 8, 1) 12.80 (same gradients, bit for bit), whose build with dropout "
+                 "spills 12-17 KB (tests/sm90_compile.py: 948 bytes here)")
 DROPOUT: dict[str, dict[int, TileConfig]] = {
-    "bwd_dkdv": {64: TileConfig(64, 64, 4, 3, _DROPOUT_D64)},
+    "bwd_dkdv": {64: TileConfig(64, 64, 4, 3, _DROPOUT_D64), 512: TileConfig(16, 32, 8, 1, _DROPOUT_D512)},
 }
 _MLA_FWD = ("measured on H200, 2026-12-03, triton 3.6 (q/k 192, v 128; b4 x 4k x h16 bf16, each kernel's tile tried "
             "with the others at the d256 row's, out and grads checked against an fp32 reference): forward ms "
