@@ -8,7 +8,8 @@ import torch
 
 import flashtile
 from flashtile.problem import MAX_DECODE_HEAD_DIM, MAX_HEAD_DIM
-from flashtile.testing import attention_ref, check_attention, check_close, kvcache_inputs, nan_guarded
+from flashtile.testing import (attention_ref, check_attention, check_close, kvcache_inputs, nan_guarded,
+                               varlen_inputs)
 
 
 def wide_case(device, seqlen_q, seqlen_k, head_dim, dtype=torch.float16, head_dim_v=None, seed=0, **kw):
@@ -65,6 +66,20 @@ def test_v_parts_launch(monkeypatch):
         assert launch.kwargs["V_PARTS"] == parts, (dtype, dv)
         assert launch.kwargs["HEAD_DIM_V"] == dv // parts, (dtype, dv)
         assert launch.grid[1:] == (3 * parts, 2), (dtype, dv)
+
+
+def test_paged_v_parts(device):
+    """A paged varlen prefill at d512: the parts gather V's rows by pointer (kernels/fwd.py, PAGED), each its half
+    of the columns, from a NaN-filled cache whose pages come in random order."""
+    from test_varlen import paginate
+
+    lens = [9, 1, 37]
+    q, k, v, _, cu, _ = varlen_inputs(device, lens, lens, nheads=2, nheads_kv=1, head_dim=512, seed=8)
+    want = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    k_cache, v_cache, table = paginate(k, v, lens, 16, torch.Generator().manual_seed(8))
+    got = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, max(lens), max(lens), causal=True,
+                                           block_table=table)
+    assert torch.equal(got, want)
 
 
 def test_varlen(device):
