@@ -51,7 +51,7 @@ def test_v_parts_read_their_head(device):
 
 def test_v_parts_launch(monkeypatch):
     """Which forwards split V (16-bit inputs with v 512 wide) and the grid that gives them: two programs per
-    (query tile, head), the parts fastest within a head's pair."""
+    (query tile, head), each seeing a part's head dim."""
     from flashtile import env
     from flashtile.ops.launch import capture_launches
 

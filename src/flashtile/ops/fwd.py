@@ -136,12 +136,13 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     # (kernels/bwd.py: Memory); host descriptors for every tile ran 6-9% slower (the held tiles spilled).
     host = HOST_DESCRIPTORS and not paged and k.numel() > 0 and block_d(p.tile_dim) <= HOST_DESCRIPTOR_MAX_D
     parts = p.v_parts  # Note [V parts] in kernels/fwd.py: the programs see v's head dim as one part's
+    part_dv = p.head_dim_v // parts
     # Plain ints: comparing the kernels' tl.constexpr constants costs a microsecond each.
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
     if desc == DESC_ROW.value:
         qd, kd, vd, od = q, k, v, out
     else:
-        cfg = tile_config("fwd", p.tile_dim, q.dtype == torch.float32, p.dropout_p > 0.0, p.head_dim_v // parts)
+        cfg = tile_config("fwd", p.tile_dim, q.dtype == torch.float32, p.dropout_p > 0.0, part_dv)
         qd, kd, vd = host_desc(q, cfg.block_m), host_desc(k, cfg.block_n), host_desc(v, cfg.block_n)
         # A packed batch's O is stored through per-sequence descriptors (kernels/fwd.py: DESC).
         od = host_desc(out, cfg.block_m) if desc == DESC_DENSE.value else out
@@ -159,7 +160,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
                 alibi_batch_stride(p.alibi_slopes), stride_btb, seqlen_q, seqlen_k, batch, page_size,
                 *fast_divisor(page_size), num_pages, p.window_left, p.window_right, p.attention_chunk)
         constexprs = dict(GROUP=nheads // nheads_kv, PAGED=paged, DESC=desc, STEP=schedule_step(batch, varlen),
-                          **head_dims(head_dim, p.head_dim_v // parts), V_PARTS=parts, **flags)
+                          **head_dims(head_dim, part_dv), V_PARTS=parts, **flags)
         return Static(args, constexprs, lambda block_m, _: tile_grid(block_m, seqlen_q, q.shape[0], batch,
                                                                       nheads * parts, varlen))
 
@@ -170,7 +171,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
            (qd, kd, vd, od, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             None if plan is None else plan.schedule, block_table, p.rng, p.learnable_sink, qk_scale, softcap2,
             p.dropout_p),
-           static, pre_hook=_FWD_BLOCKS, dropout=p.dropout_p > 0.0, head_dim_v=p.head_dim_v // parts)
+           static, pre_hook=_FWD_BLOCKS, dropout=p.dropout_p > 0.0, head_dim_v=part_dv)
     return out, lse, plan
 
 
