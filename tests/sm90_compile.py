@@ -196,7 +196,12 @@ def scenarios():
             ("d128 varlen sink window", lambda: varlen(128, BF16, window_size=(40, 8), learnable_sink=torch.rand(4))),
             ("d128 chunk causal", lambda: dense(128, BF16, causal=True, attention_chunk=48)),
             ("d128 chunk", lambda: dense(128, BF16, h=4, hk=4, attention_chunk=48)),
-            ("d128 varlen chunk causal", lambda: varlen(128, BF16, h=2, hk=2, causal=True, attention_chunk=48))]
+            ("d128 varlen chunk causal", lambda: varlen(128, BF16, h=2, hk=2, causal=True, attention_chunk=48)),
+            # Dropout: the Gluon forward with its mask, the Triton backward (Note [dropout on the Gluon path]).
+            ("d128 dropout", lambda: dense(128, BF16, h=4, hk=4, dropout_p=0.1)),
+            ("d128 dropout window sink", lambda: dense(128, BF16, window_size=(40, -1), dropout_p=0.1,
+                                                       learnable_sink=torch.rand(4))),
+            ("d128 varlen dropout window", lambda: varlen(128, BF16, window_size=(40, -1), dropout_p=0.1))]
     # head_dim_v != head_dim: MLA prefill (192, 128) on the Gluon forward's variants and with every feature
     # (config.NARROW_V's tiles), the pair (128, 64), v wider than q/k, and paged.
     out += [("d192 v128 causal", lambda: dense(192, BF16, dv=128, causal=True)),
@@ -205,6 +210,7 @@ def scenarios():
                                                             learnable_sink=torch.rand(4))),
             ("d192 v128 varlen chunk causal", lambda: varlen(192, BF16, dv=128, h=2, hk=2, causal=True,
                                                              attention_chunk=48)),
+            ("d192 v128 varlen dropout chunk", lambda: varlen(192, BF16, dv=128, attention_chunk=48, dropout_p=0.1)),
             ("d192 v128 everything", lambda: dense(192, BF16, dv=128, alibi_slopes=torch.rand(4), dropout_p=0.1,
                                                    learnable_sink=torch.rand(4), **every)),
             ("d192 v128 varlen everything", lambda: varlen(192, BF16, dv=128, seqused=True,

@@ -242,7 +242,10 @@ def test_info_text_and_json(capsys):
         assert "softcap" in by_key[("bf16", 128, "softcap/alibi")]["why"]
         assert by_key[("bf16", 128, "learnable sink")]["path"] == "gluon-sm90"
         assert by_key[("bf16", 128, "attention chunk")]["path"] == "gluon-sm90"
-        assert "dropout" in by_key[("bf16", 128, "dropout")]["why"]
+        dropout = by_key[("bf16", 128, "dropout")]  # Note [dropout on the Gluon path]
+        assert dropout["path"] == "gluon-sm90 fwd, triton bwd" and "backward" in dropout["why"]
+        assert dropout["tiles"]["fwd"] == by_key[("bf16", 128, "dense")]["tiles"]["fwd"]
+        assert "w" in dropout["tiles"]["bwd_dkdv"]  # a Triton tile: its warps
         assert by_key[("fp32", 128, "dense")]["path"] == "triton"
         assert by_key[("bf16", 192, "varlen")]["path"] == "gluon-sm90"  # MLA prefill's 192/128
         assert by_key[("bf16", 192, "varlen")]["tiles"]["bwd_dkdv"] == "32x64 s3"

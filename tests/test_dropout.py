@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
-from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_mask
+from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_entries, keep_mask
 from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, varlen_inputs
 
 P = 0.17
@@ -150,16 +150,22 @@ def test_dropped_fraction_is_the_quantised_p(device):
 
 @triton.jit
 def _keep_kernel(OUT, seed, stream, bh, threshold, ROWS: tl.constexpr, COLS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ENTRIES: tl.constexpr):
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = keep_mask(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+    if ENTRIES:
+        keep = keep_entries(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N, tl.arange(0, BLOCK_N)[None, :],
+                            threshold)
+    else:
+        keep = keep_mask(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
     tl.store(OUT + i[:, None] * COLS + j[None, :], keep.to(tl.int8))
 
 
-def _keep(device, rows, cols, block_m, block_n, threshold, seed=1234, stream=7, bh=5):
+def _keep(device, rows, cols, block_m, block_n, threshold, seed=1234, stream=7, bh=5, entries=False):
+    """keep_mask's booleans over (rows, cols), or keep_entries' (the Gluon forward's: tiles of 64 keys or more)."""
     out = torch.empty(rows, cols, dtype=torch.int8, device=device)
-    _keep_kernel[(rows // block_m, cols // block_n)](out, seed, stream, bh, threshold, rows, cols, block_m, block_n)
+    _keep_kernel[(rows // block_m, cols // block_n)](out, seed, stream, bh, threshold, rows, cols, block_m, block_n,
+                                                     entries)
     return out.cpu()
 
 
@@ -190,7 +196,7 @@ def _philox_words(OUT, seed, stream, bh, ROWS: tl.constexpr, CALLS: tl.constexpr
 def test_the_mask_is_the_notes_mapping(device):
     """Key 64 (c // 4) + 8 g + 2 (c % 4) + e of a row survives iff byte 2 g + e of Philox call c's four words (word
     g // 2, bits 8 (2 (g % 2) + e) up) is at least the threshold (Note [dropout mask]), built here from the raw
-    words, at thresholds from none dropped to all."""
+    words, at thresholds from none dropped to all; keep_entries (Note [dropout entries]) too."""
     rows, cols = 16, 128
     words = torch.empty(rows, cols // 16, 4, dtype=torch.int64, device=device)
     _philox_words[(1,)](words, 1234, 7, 5, rows, cols // 16)
@@ -205,6 +211,9 @@ def test_the_mask_is_the_notes_mapping(device):
         for block_n in (16, 64, 128):
             assert torch.equal(_keep(device, rows, cols, 16, block_n, threshold).bool(), numbers >= threshold), \
                 (threshold, block_n)
+        for block_n in (64, 128):
+            entries = _keep(device, rows, cols, 16, block_n, threshold, entries=True).bool()
+            assert torch.equal(entries, numbers >= threshold), (threshold, block_n, "keep_entries")
 
 
 def test_backward_reruns_regenerate_the_forward_mask(device):

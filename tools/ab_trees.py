@@ -16,7 +16,7 @@ must agree on to within rounding. With --host, each case times the host instead:
 waits for); "tflops" is then calls per millisecond. Only the public API is used, so any older tree can be timed.
 
 Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform,decode]
-             [--window LEFT,RIGHT] [--head-dim 64] [--host]
+             [--window LEFT,RIGHT] [--head-dim 64] [--host] [--dropout P]
 """
 
 import argparse
@@ -61,7 +61,7 @@ def decode_problem(paged: bool, gen):
     return call, (q, k_cache, v_cache), 2 * batch * cap * heads_kv * d * 2
 
 
-def problem(b, s, causal: bool, gen, window=(-1, -1)):
+def problem(b, s, causal: bool, gen, window=(-1, -1), dropout_p=0.0):
     """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time. Under a sliding
     window the flops are still the full (or causal) mask's: nominal, for comparing two trees only."""
     if b in ("decode", "decode_paged"):
@@ -80,10 +80,10 @@ def problem(b, s, causal: bool, gen, window=(-1, -1)):
     if varlen:
         def call(q, k, v):
             return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
-                                                    window_size=window)
+                                                    window_size=window, dropout_p=dropout_p)
     else:
         def call(q, k, v):
-            return flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window)
+            return flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, dropout_p=dropout_p)
     return call, (q, k, v), flops * (0.5 if causal else 1.0)
 
 
@@ -110,14 +110,17 @@ def main() -> None:
     parser.add_argument("--window", default="-1,-1", help="window_size as LEFT,RIGHT (nominal FLOPs)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (heads: 2048 / head dim)")
     parser.add_argument("--host", action="store_true", help="time the host per call (default --only small)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p (the mask's seeds: torch.manual_seed(0))")
     args = parser.parse_args()
     if args.host and args.only is None:
         args.only = "small"
     global HEAD_DIM
     HEAD_DIM = args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.manual_seed(0)  # the same dropout masks in both trees: each draws its seeds in the same order
     for b, s, causal in cases(args.only):
-        call, leaves, flops = problem(b, s, causal, gen, tuple(int(x) for x in args.window.split(",")))
+        call, leaves, flops = problem(b, s, causal, gen, tuple(int(x) for x in args.window.split(",")),
+                                      args.dropout)
         decode = b in ("decode", "decode_paged")
         if args.fwdbwd and not decode:
             leaves = [t.requires_grad_() for t in leaves]

@@ -87,21 +87,20 @@ def environment() -> dict:
             "hopper_path": env.hopper(), "tested": TESTED}
 
 
-def _tiles(gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, backward: bool, dropout: bool) -> dict:
-    names = KERNELS if backward else KERNELS[:1]
+def _tile(kernel: str, gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, dropout: bool) -> str:
     if gluon:
-        cfgs = {k: HOPPER[k][head_dim] for k in names}
-        return {k: f"{c.block_m}x{c.block_n} s{c.stages}" for k, c in cfgs.items()}
-    parts = {k: v_parts(head_dim_v, fp32) if k == "fwd" else 1 for k in names}  # Note [V parts] in kernels/fwd.py
-    cfgs = {k: table_config(k, max(head_dim, head_dim_v), fp32, dropout, head_dim_v // parts[k]) for k in names}
-    return {k: f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" + (f" x{parts[k]}" if parts[k] > 1 else "")
-            for k, c in cfgs.items()}
+        c = HOPPER[kernel][head_dim]
+        return f"{c.block_m}x{c.block_n} s{c.stages}"
+    parts = v_parts(head_dim_v, fp32) if kernel == "fwd" else 1  # Note [V parts] in kernels/fwd.py
+    c = table_config(kernel, max(head_dim, head_dim_v), fp32, dropout, head_dim_v // parts)
+    return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" + (f" x{parts}" if parts > 1 else "")
 
 
 def coverage() -> dict:
     """{"target": what the table describes, "rows": [...]}: for each dtype x (q/k, v) head dims x feature class,
-    the kernel path ('gluon-sm90' or 'triton'), why not Gluon, and the tile of each kernel (fwd, bwd_dq, bwd_dkdv;
-    paged K/V has no backward, and decode runs its own kernel whose tile is given too)."""
+    the kernel path ('gluon-sm90', 'triton', or with dropout 'gluon-sm90 fwd, triton bwd'), why not Gluon, and the
+    tile of each kernel (fwd, bwd_dq, bwd_dkdv; paged K/V has no backward, and decode runs its own kernel whose tile
+    is given too)."""
     gpu = torch.cuda.is_available() and not env.INTERPRET
     device = torch.device("cuda") if gpu else None
     target = (f"{torch.cuda.get_device_name(0)} (this machine's GPU)" if gpu
@@ -110,18 +109,25 @@ def coverage() -> dict:
     for dtype_name, dtype in DTYPES.items():
         for d, dv in HEAD_DIMS:
             for feature, props in FEATURES.items():
-                if gpu:
-                    reason = hopper_unsupported(device, dtype, d, head_dim_v=dv, **props)
-                elif not env.hopper():
-                    reason = "switched off by FLASHTILE_HOPPER=0"
-                else:
-                    reason = feature_unsupported(dtype, d, head_dim_v=dv, **props)
-                gluon = reason is None
                 paged = feature == "paged"
+                reasons = {}  # kernel -> why not Gluon (None: Gluon)
+                for kernel in KERNELS[:1] if paged else KERNELS:
+                    if gpu:
+                        reason = hopper_unsupported(device, dtype, d, head_dim_v=dv, backward=kernel != "fwd",
+                                                    **props)
+                    elif not env.hopper():
+                        reason = "switched off by FLASHTILE_HOPPER=0"
+                    else:
+                        reason = feature_unsupported(dtype, d, head_dim_v=dv, backward=kernel != "fwd", **props)
+                    reasons[kernel] = reason
+                paths = {HOPPER_PATH if r is None else TRITON for r in reasons.values()}
+                # With dropout the forward alone runs Gluon (Note [dropout on the Gluon path] in ops/hopper.py).
+                path = paths.pop() if len(paths) == 1 else f"{HOPPER_PATH} fwd, {TRITON} bwd"
+                reason = next((r for r in reasons.values() if r is not None), None)
                 row = {"dtype": dtype_name, "head_dim": d, "head_dim_v": dv, "feature": feature,
-                       "path": HOPPER_PATH if gluon else TRITON, "why": reason,
-                       "tiles": _tiles(gluon, d, dv, dtype == torch.float32, backward=not paged,
-                                       dropout=props.get("dropout", False))}
+                       "path": path, "why": reason,
+                       "tiles": {k: _tile(k, r is None, d, dv, dtype == torch.float32, props.get("dropout", False))
+                                 for k, r in reasons.items()}}
                 if paged:
                     c = DECODE_TABLE[block_d(d)]
                     row["tiles"]["decode"] = f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"

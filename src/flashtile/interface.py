@@ -33,7 +33,7 @@ def _run(p: AttnProblem, q, k, v, packing: int, alibi_slopes, return_attn_probs:
     if fallback_logging():
         log_fallback(q.device, p.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, paged=p.paged,
                      softcap=p.softcap, alibi=p.alibi, seqused=seqused_q is not None or seqused_k is not None,
-                     dropout=p.dropout_p > 0.0)
+                     dropout=p.dropout_p > 0.0, right_mask=p.window_right >= 0)
     # The backward reduces nothing with atomics (see ops/bwd.py), so it is bitwise reproducible whatever
     # `deterministic` says.
     # Packed inputs share one head dim; separate ones pad v to its own (head_dim_v).
@@ -125,20 +125,24 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     """Which kernels `flash_attn_func(q, k, v, ...)` with these arguments runs, forward and backward.
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
-    warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run when they do
-    not. The packed and varlen entry points follow the same rule for their q, k, v (varlen with seqused_q/k or a
-    block_table runs the Triton kernels). Arguments are validated as flash_attn_func validates them; nothing is
-    computed.
+    warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run where they do
+    not (with dropout the forward runs them unless causal or with a right window, and the backward does not: Note
+    [dropout on the Gluon path] in ops/hopper.py). The packed and varlen entry points follow the same rule for
+    their q, k, v (varlen with seqused_q/k or a block_table runs the Triton kernels). Arguments are validated as
+    flash_attn_func validates them; nothing is computed.
     `last_kernel_paths()` says what the last call ran.
     """
     p = dense_problem(q, k, v, None, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
                       attention_chunk)
     require_runnable(q)
-    reason = "no keys (seqlen_k == 0)" if p.seqlen_k == 0 else hopper_unsupported(
-        q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded, softcap=p.softcap, alibi=p.alibi,
-        dropout=p.dropout_p > 0.0)
-    path = TRITON if reason else HOPPER_PATH
-    return {"fwd": path, "bwd_dq": path, "bwd_dkdv": path, "reason": reason}
+    if p.seqlen_k == 0:
+        return {"fwd": TRITON, "bwd_dq": TRITON, "bwd_dkdv": TRITON, "reason": "no keys (seqlen_k == 0)"}
+    fwd, bwd = (hopper_unsupported(q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded,
+                                   softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0, backward=backward,
+                                   right_mask=p.window_right >= 0)
+                for backward in (False, True))
+    bwd_path = TRITON if bwd else HOPPER_PATH
+    return {"fwd": TRITON if fwd else HOPPER_PATH, "bwd_dq": bwd_path, "bwd_dkdv": bwd_path, "reason": fwd or bwd}
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -31,6 +31,14 @@ backward on an H200; sixteen a call halve it. The dK/dV kernel, whose tile is ot
 of a query per thread), computes it queries x keys with dropout, so that it too draws the mask where P sits and
 transposes P ∘ Z and dS into its products instead: transposing the mask cost more (kernels/bwd.py).
 
+Note [dropout entries]: `keep_entries` computes the same booleans one entry at a time, for tiles in a layout that
+keep_mask's joins and reshapes would change (the Gluon forward's wgmma accumulator: kernels/hopper_fwd.py). Each
+entry derives its call c, word and byte from its key alone and runs the whole Philox call; the compiler finds the
+sixteen entries of one call in a thread (their counters are the same values: the key's offset within its 8-key
+group comes from the lane, the group from the register) and keeps one call, as the sm_90 builds show (one call per
+16 entries, as keep_mask). The key is split as n0 + jl, the tile's first key, a multiple of 64, and the key within
+the tile, so that what selects the word and the byte depends on jl alone, which the compiler can see per register.
+
 `dropout_probs_kernel` writes S_dmask for `return_attn_probs=True` (testing only, one slow pass): the
 probabilities exp(s - lse) of every visible entry, negated where dropped; see ops/dropout.py for the layout.
 """
@@ -86,6 +94,20 @@ def keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M: tl.constexpr, BL
         part = (tl.arange(0, 64 // BLOCK_N) == (n_start % 64) // BLOCK_N)[None, :, None]
         u = tl.sum(tl.where(part, unit, 0), axis=1)
     return u.to(tl.int32) >= threshold
+
+
+@triton.jit
+def keep_entries(seed, stream, bh, i, n0, jl, threshold):
+    """keep_mask's booleans, entry by entry (Note [dropout entries]): entry (i, n0 + jl) survives, for i (query rows
+    within the sequence) and jl (keys within the tile, from 0) of broadcastable shapes in any layout; n0: the
+    tile's first key within the sequence, a multiple of 64; bh: b * H + h."""
+    zero = (i + jl) * 0
+    calls = 4 * (n0 // 64 + jl // 64) + (jl % 8) // 2
+    r0, r1, r2, r3 = tl.philox(seed, calls + zero, i + zero, bh + zero, stream + zero, PHILOX_ROUNDS)
+    group = (jl % 64) // 8  # key 64u + 8g + 2q + e: word g // 2, byte 2 * (g % 2) + e
+    word = tl.where(group < 4, tl.where(group < 2, r0, r1), tl.where(group < 6, r2, r3))
+    byte = (word >> (8 * (2 * (group % 2) + jl % 2) + zero).to(word.dtype)) & 0xFF
+    return byte.to(tl.int32) >= threshold
 
 
 @triton.jit

@@ -31,7 +31,9 @@ Scope (ops/hopper.py decides which calls come here; the rest run kernels/fwd.py)
 parts] in hopper_common.py; _scores), MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention
 (MASK_CHUNK: kv_block_range and apply_mask take the chunk, as everywhere else), learnable sinks
 (HAS_SINK: SINK, fp32 (H,), joins each row's denominator after its last key block, as softmax.fold_sink; the
-backward needs nothing more, its P comes from this LSE). Not softcap, ALiBi, dropout, seqused or paged K/V.
+backward needs nothing more, its P comes from this LSE), dropout (HAS_DROPOUT: _softmax drops P after the row sum
+has counted it, entry by entry where P sits: Note [dropout entries] in dropout.py; O is scaled by 1 / (1 - p) at
+the end, as kernels/fwd.py does). Not softcap, ALiBi, seqused or paged K/V.
 """
 
 from triton.experimental import gluon
@@ -40,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
+from .dropout import dropout_state, keep_entries, mask_factor
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, publish_item,
                             read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load, tma_store,
                             work_item, zero_rows_from)
@@ -111,8 +114,8 @@ class _Item:
     """One work item as the persistent loader describes it to the consumers, in publish_item's field order
     (hopper_common): `valid` (false for the first item past the list, which ends the program), the query head, the
     item's first query row in its sequence, where the sequence's queries start in the packed tensor, both lengths,
-    the item's key blocks (lo, the mask-free [full_lo, full_hi), how many), and a dense batch's sequence (a varlen
-    item's q_row0 places it)."""
+    the item's key blocks (lo, the mask-free [full_lo, full_hi), how many), and its sequence b (a dense batch's
+    descriptors take it, a varlen item's q_row0 places it; the dropout mask takes it in both)."""
     valid: gl.tensor
     h: gl.tensor
     m_start: gl.tensor
@@ -157,16 +160,15 @@ def _loader(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_s, q2_s, k_s, k2_s, v_s,
                 gl.minimum(w, n_items - 1), heads, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr,
                 chunk, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
             valid = valid & (w < n_items)
-            b_field = 0
         else:
             b, h, m_start, lo, full_lo, full_hi, n_blocks = _dense_item(
                 gl.minimum(w, n_items - 1), heads, seqlen_q, seqlen_k, wl, wr, chunk, BLOCK_M, BLOCK_N, MASK_LEFT,
                 MASK_RIGHT, MASK_CHUNK)
             valid = w < n_items
-            q_row0, sq, k_row0, sk, b_field = 0, seqlen_q, 0, seqlen_k, b
+            q_row0, sq, k_row0, sk = 0, seqlen_q, 0, seqlen_k
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks,
-                     b_field, 0)  # _Item
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, full_lo, full_hi, n_blocks, b,
+                     0)  # _Item
         if valid:
             _load_item(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_s, q2_s, k_s, k2_s, v_s, sets.held, k_ring, v_ring,
                        b, h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0, it0, sets.buffer(r, 0), BLOCK_M,
@@ -191,13 +193,14 @@ def _p_layout(head_dim):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_scale,
+def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_scale, drop,
              BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             MASK_CHUNK: gl.constexpr):
-    """Fold the raw scores of key block n0 into the running (max, sum): returns (p, m_new, l_new, alpha)."""
+             MASK_CHUNK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+    """Fold the raw scores of key block n0 into the running (max, sum): returns (p, m_new, l_new, alpha), p with
+    the dropout mask applied (HAS_DROPOUT; drop: (seed, stream, b * H + h, threshold), _consumer's)."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if masked:
-        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = apply_mask(s, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_k, diag, wl, wr,
+        s = apply_mask(s, gl.expand_dims(rows, 1), gl.expand_dims(n0 + cols, 0), seqlen_k, diag, wl, wr,
                        MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if masked:
@@ -205,7 +208,12 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_sc
         m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+    l_new = l_i * alpha + gl.sum(p, 1)
+    if HAS_DROPOUT:  # after the sum: the LSE is the undropped softmax's (Note [dropout mask] in dropout.py)
+        seed, stream, bh, threshold = drop
+        keep = keep_entries(seed, stream, bh, gl.expand_dims(rows, 1), n0, gl.expand_dims(cols, 0), threshold)
+        p = p * mask_factor(keep, 1.0)
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -230,9 +238,9 @@ def _scores(q_tile, q2_tile, k_s, k2_s, slot, WIDTH: gl.constexpr, HEAD_DIM: gl.
 
 @gluon.jit
 def _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k,
-          diag, wl, wr, chunk, qk_scale, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-          MASK_CHUNK: gl.constexpr):
+          diag, wl, wr, chunk, qk_scale, drop, WIDTH: gl.constexpr, HEAD_DIM: gl.constexpr,
+          HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+          MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Key block n0 at ring position it, after the item's first: S on the block's first WIDTH keys (all of them, or
     half under Note [half last block]) is issued with the previous block's P V under it, and its softmax runs
     while that P V is on the tensor cores. m_i, l_i and rows are in the layout of a WIDTH-wide S. Returns (p, m_i,
@@ -251,7 +259,8 @@ def _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, 
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     k_ring.release(it)  # K_j is read
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k, diag, wl, wr,
-                                  chunk, qk_scale, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+                                  chunk, qk_scale, drop, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                                  HAS_DROPOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     v_ring.release(it - 1)  # V_{j-1} is read
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -282,10 +291,10 @@ def _last_pv(p, acc, v_s, v_ring, it, keys_left, WIDTH: gl.constexpr, HEAD_DIM: 
 @gluon.jit
 def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, b, h,
                   m_start, lo, full_lo, full_hi, n_blocks, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk,
-                  qk_scale, stride_om, stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr,
+                  qk_scale, drop, drop_scale, stride_om, stride_oh, it0, qi, free_prev, HEAD_DIM: gl.constexpr,
                   HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
-                  IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+                  IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q in buffer qi, whose key blocks start at ring position it0.
     It leaves its O store in flight, and hands the previous item's Q buffer back (free_prev) once its first S of
     this item is issued.
@@ -319,7 +328,8 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         k_ring.release(it0)  # K_0 is read
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
-                                      wl, wr, chunk, qk_scale, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+                                      wl, wr, chunk, qk_scale, drop, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT,
+                                      MASK_CHUNK, HAS_DROPOUT)
         n_last = lo + (n_blocks - 1) * BLOCK_N
         keys_end = seqlen_k  # past this consumer's last visible key
         if MASK_RIGHT:
@@ -328,16 +338,16 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_
         for j in range(1, n_blocks - half.to(gl.int32)):
             p, m_i, l_i, acc = _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it0 + j, lo + j * BLOCK_N, p,
                                      acc, m_i, l_i, rows, full_lo, full_hi, seqlen_k, diag, wl, wr, chunk, qk_scale,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                                     MASK_CHUNK)
+                                     drop, BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                     MASK_CHUNK, HAS_DROPOUT)
         it_last = it0 + n_blocks - 1
         if half:
             p_h, m_h, l_h, acc = _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it_last, n_last, p, acc,
                                        gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
                                        gl.convert_layout(rows, gl.SliceLayout(1, h_layout)), full_lo, full_hi,
-                                       seqlen_k, diag, wl, wr, chunk, qk_scale, HALF, HEAD_DIM, HEAD_DIM_TAIL,
-                                       BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+                                       seqlen_k, diag, wl, wr, chunk, qk_scale, drop, HALF, HEAD_DIM, HEAD_DIM_TAIL,
+                                       BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_DROPOUT)
             acc = _last_pv(p_h, acc, v_s, v_ring, it_last, seqlen_k - n_last, HALF, HEAD_DIM, BLOCK_N, IS_VARLEN)
             m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
             l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
@@ -355,6 +365,8 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    if HAS_DROPOUT:
+        out = out * drop_scale
     if m0 < seqlen_q:  # else no row of this tile is in the sequence (or the program is past the list)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(l_safe)) * LN2)
         gl.store(LSE + lse_off + rows, lse, mask=rows < seqlen_q)
@@ -386,13 +398,16 @@ def _free_previous(free_prev, sets, prev):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr,
-              chunk, qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM: gl.constexpr,
-              HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, RNG, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl,
+              wr, chunk, qk_scale, dropout_p, stride_lb, stride_lh, stride_om, stride_oh, heads,
+              HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
-              IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+              IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th in its
     set of Q buffers: hopper_common.BufferSets), until one is invalid."""
+    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    if HAS_DROPOUT:
+        seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
     it0 = 0
     r = 0
     done = False
@@ -406,11 +421,12 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v
             else:
                 b = item.b
                 lse_off = b.to(gl.int64) * stride_lb + item.h.to(gl.int64) * stride_lh
+            drop = (seed, stream, item.b * heads + item.h, threshold)
             _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, b, item.h,
                           item.m_start, item.lo, item.full_lo, item.full_hi, item.n_blocks, lse_off, item.q_row0,
-                          item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, stride_om, stride_oh, it0,
-                          sets.buffer(r, c), r > 0, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                          MASK_CHUNK, IS_VARLEN, HAS_SINK)
+                          item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, drop, drop_scale, stride_om,
+                          stride_oh, it0, sets.buffer(r, c), r > 0, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N,
+                          MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK, HAS_DROPOUT)
             it0 += item.n_blocks
         else:
             done = True
@@ -420,14 +436,15 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_fwd_kernel(Q, Q2, K, K2, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER, qk_scale,
-                       stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32, seqlen_k: gl.int32,
-                       wl: gl.int32, wr: gl.int32, stride_om, stride_oh, n_items: gl.int32,
+def _hopper_fwd_kernel(Q, Q2, K, K2, V, O, O_PTR, LSE, SINK, RNG, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
+                       qk_scale, dropout_p, stride_lb: gl.int32, stride_lh: gl.int32, seqlen_q: gl.int32,
+                       seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32, stride_om, stride_oh, n_items: gl.int32,
                        heads: gl.int32, chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
                        BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                       HAS_SINK: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                       HAS_SINK: gl.constexpr, HAS_DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr):
     """The grid is one program per SM (at most n_items), persistent over n_items work items of 2 x BLOCK_M query
     rows of one (sequence, head) (Note [persistent forward]), and COUNTER counts the items handed out so far (0 at
     launch: its writer zeroes it). Q, K, V, O are host descriptors: over (B, S, H, D) for a dense batch, whose
@@ -435,7 +452,8 @@ def _hopper_fwd_kernel(Q, Q2, K, K2, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q
     unused; over the packed (total, H, D) tensors for a varlen one, whose seqlen_q/k are the totals and whose
     n_items are heads x tile-list entries: TILES holds the (sequence, tile) list (ops/schedule.varlen_plan: longest
     sequences first, and within one the last tile first), and O_PTR is O's tensor, for the last tile of a varlen
-    sequence (stride_lb is then 0). SINK: the learnable sinks (HAS_SINK; else unused). HEAD_DIM is V's and O's head
+    sequence (stride_lb is then 0). SINK: the learnable sinks (HAS_SINK; else unused). RNG and dropout_p: the
+    call's seed and stream (ops/dropout.py) and p (HAS_DROPOUT; else unused). HEAD_DIM is V's and O's head
     dim and the first HEAD_DIM columns of Q's and K's, whose descriptors' boxes are that wide; HEAD_DIM_TAIL > 0
     (MLA prefill's q/k 192 with v 128: 128 + 64) reads Q's and K's next HEAD_DIM_TAIL columns through Q2 and K2,
     descriptors over those columns (else Q2 and K2 are unused).
@@ -505,12 +523,12 @@ def _hopper_fwd_kernel(Q, Q2, K, K2, V, O, O_PTR, LSE, SINK, TILES, CU_SEQLENS_Q
     k_ring = Ring(ready, empty, KS)
     v_ring = Ring(v_ready, v_empty, VS)
     gl.warp_specialize([
-        (_consumer, (0, O, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
-                     qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N,
-                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK)),
-        (_consumer, (1, O, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
-                     qk_scale, stride_lb, stride_lh, stride_om, stride_oh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N,
-                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK)),
+        (_consumer, (0, O, O_PTR, LSE, SINK, RNG, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
+                     qk_scale, dropout_p, stride_lb, stride_lh, stride_om, stride_oh, heads, HEAD_DIM, HEAD_DIM_TAIL,
+                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK, HAS_DROPOUT)),
+        (_consumer, (1, O, O_PTR, LSE, SINK, RNG, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, wl, wr, chunk,
+                     qk_scale, dropout_p, stride_lb, stride_lh, stride_om, stride_oh, heads, HEAD_DIM, HEAD_DIM_TAIL,
+                     BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_SINK, HAS_DROPOUT)),
         (_loader, (Q, Q2, K, K2, V, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, COUNTER, TILES, CU_SEQLENS_Q,
                    CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N, HEAD_DIM_TAIL,
                    GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),

@@ -138,7 +138,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         # (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it walks the
         # schedule (dq_list_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its consumer's
         # rows, and the Gluon dK/dV kernel from a first-first list of the key side (ops/call.py decides which).
-        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, gluon, dropout, p.head_dim_v)
+        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, p.fwd_gluon, gluon, dropout, p.head_dim_v)
         if plan is None or not plan.has(dq_block, 0):
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
                                *plan_lists((dq_block, False), *(((dkdv_block, True),) if p.self_attention else ())))

@@ -187,9 +187,12 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     seqused = seqused_q is not None or seqused_k is not None
     fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged,
                                          seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
-                                         dropout=dropout_p > 0.0) \
+                                         dropout=dropout_p > 0.0, right_mask=window_right >= 0) \
         if k.numel() > 0 else "no keys"
-    bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path
+    bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path, but with dropout
+    if fwd_unsupported is None and dropout_p > 0.0:  # Note [dropout on the Gluon path] in ops/hopper.py
+        bwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, dropout=True,
+                                             backward=True)
     pdl, dq_list_block = False, 0
     if dout is not None:
         dout, out = tma_ready(dout), tma_ready(out)
@@ -201,7 +204,8 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
             dq_list_block = list_blocks(max(head_dim, head_dim_v), q.dtype == torch.float32,
-                                        bwd_unsupported is None, dropout_p > 0.0, head_dim_v)[1]
+                                        fwd_unsupported is None, bwd_unsupported is None, dropout_p > 0.0,
+                                        head_dim_v)[1]
     p = OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                   learnable_sink, rng, dout, out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv,
                   head_dim, head_dim_v, float(softmax_scale), window_left, window_right, attention_chunk,

@@ -111,8 +111,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if varlen:
         # The kernel reads each sequence's lengths, clamped to the bounds its seqlen arguments carry
         # (kernels/seqlen.py: seq_info; ops/call.OpProblem).
-        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon, p.dropout_p > 0.0,
-                                                     p.head_dim_v)
+        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon, p.bwd_gluon,
+                                                     p.dropout_p > 0.0, p.head_dim_v)
         backward = for_backward and p.self_attention
         lists = plan_lists((fwd_block, False), *(((dq_block, False), (dkdv_block, True)) if backward else ()))
         plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,
@@ -121,7 +121,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if gluon:
         # Note [hopper path] in ops/hopper.py
         hopper.fwd(q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, plan,
-                   p.learnable_sink, p.attention_chunk, key=p.launch_key)
+                   p.learnable_sink, p.attention_chunk, p.rng, p.dropout_p, key=p.launch_key)
         record("fwd", HOPPER_PATH)
         return out, lse, plan
     record("fwd", TRITON)
