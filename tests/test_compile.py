@@ -79,13 +79,13 @@ def test_production_kernels_compile_for_sm90(group):
 
 def _dropout_pairs(rows):
     """(kernel, row, row) for each built forward or dQ compile with dropout and the compile that differs from it
-    only in having none (the "239x1 causal" scenarios of sm90_compile.py, and the Gluon forward's "d128 dropout"
+    only in having none (the "239x1 causal" scenarios of sm90_compile.py, and the Gluon kernels' "d128 dropout"
     beside "d128 dense"). Their mask is built in the registers that hold P (Notes [dropout mask] and [dropout
     entries] in kernels/dropout.py), so their PTX must have as many shared-memory accesses and barriers as without
     dropout; the dK/dV kernel's transposed tile still converts the mask's layout."""
     def key(r):
         return repr(sorted((k, v) for k, v in r.items() if k.isupper() and k != "HAS_DROPOUT"))
-    masked_in_registers = ("_attn_fwd_kernel", "_bwd_dq_kernel", "_hopper_fwd_kernel")
+    masked_in_registers = ("_attn_fwd_kernel", "_bwd_dq_kernel", "_hopper_fwd_kernel", "_hopper_dq_kernel")
     built = [r for r in rows if r["built"] and r["kernel"] in masked_in_registers]
     plain = {(r["kernel"], key(r)): r for r in built if not r.get("HAS_DROPOUT")}
     return [(r["kernel"], r, plain[r["kernel"], key(r)]) for r in built

@@ -40,7 +40,7 @@ def test_the_fast_path_covers_dense_bf16_fp16_d128(fake_sm90):
     (dict(seqused=True), "seqused_q/seqused_k"),
     (dict(softcap=30.0), "softcap"),
     (dict(alibi=True), "ALiBi"),
-    (dict(dropout=True, backward=True), "dropout"),
+    (dict(dropout=True, kernel="bwd_dkdv"), "dropout"),
     (dict(device=torch.device("cpu")), "tensors on cpu"),
 ])
 def test_everything_else_runs_triton_and_says_why(fake_sm90, kw, reason):
@@ -302,26 +302,29 @@ def test_mla_prefill_reads_q_and_k_in_two_parts(monkeypatch, varlen):
 
 
 def test_dropout_runs_the_gluon_forward(fake_sm90):
-    """Dropout on the Gluon forward, not on its backward (Note [dropout on the Gluon path] in ops/hopper.py), at
-    each head dim pair the Gluon kernels take."""
+    """Dropout on the Gluon forward and dQ kernels, not on the dK/dV one (Note [dropout on the Gluon path] in
+    ops/hopper.py), at each head dim pair the Gluon kernels take; the forward not under a causal or right-window
+    mask, whose short items the Triton forward computes faster."""
+    def why(d, dv, **kw):
+        return hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, **kw)
     for d, dv in hopper.gluon_head_dims():
-        assert hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, dropout=True) is None
-        why = hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, dropout=True, backward=True)
-        assert "dropout" in why and "backward" in why
-        assert hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, backward=True) is None
-        # Not under a causal or right-window mask, whose short items the Triton forward computes faster.
-        why = hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, dropout=True, right_mask=True)
-        assert "causal" in why
-        assert hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, right_mask=True) is None
+        for right_mask in (False, True):
+            assert why(d, dv, dropout=True, kernel="bwd_dq", right_mask=right_mask) is None
+            assert "dK/dV" in why(d, dv, dropout=True, kernel="bwd_dkdv", right_mask=right_mask)
+            assert all(why(d, dv, kernel=kernel, right_mask=right_mask) is None
+                       for kernel in ("fwd", "bwd_dq", "bwd_dkdv"))
+        assert why(d, dv, dropout=True) is None
+        assert "causal" in why(d, dv, dropout=True, right_mask=True)
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_dropout_forward_on_gluon_backward_on_triton(monkeypatch, varlen):
-    """With dropout (and a left window, no right one) an sm_90 call launches the Gluon forward with its mask on
-    (HAS_DROPOUT, the call's seed and stream and p) and the Triton backward kernels with the same seed and stream,
-    so that they regenerate the forward's mask; kernel_paths and last_kernel_paths say so, and that a causal one
-    runs the Triton forward. The launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    """With dropout (and a left window, no right one) an sm_90 call launches the Gluon forward and dQ kernels with
+    the mask on (HAS_DROPOUT, the call's seed and stream and p) and the Triton dK/dV kernel with the same seed and
+    stream, so that they regenerate the forward's mask, its delta counts past every length (no Triton dQ publishes
+    them) and no PDL; kernel_paths and last_kernel_paths say so, and that a causal one runs the Triton forward. The
+    launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
     from flashtile.ops.launch import capture_launches
 
     monkeypatch.setattr(env, "INTERPRET", False)
@@ -335,17 +338,22 @@ def test_dropout_forward_on_gluon_backward_on_triton(monkeypatch, varlen):
         else:
             out = flashtile.flash_attn_func(q, k, v, dropout_p=0.25, window_size=(40, -1))
             paths = flashtile.kernel_paths(q, k, v, dropout_p=0.25, window_size=(40, -1))
-            assert (paths["fwd"], paths["bwd_dq"], paths["bwd_dkdv"]) == ("gluon-sm90", "triton", "triton")
+            assert (paths["fwd"], paths["bwd_dq"], paths["bwd_dkdv"]) == ("gluon-sm90", "gluon-sm90", "triton")
             assert "dropout" in paths["reason"]
             assert flashtile.kernel_paths(q, k, v, dropout_p=0.25, causal=True)["fwd"] == "triton"
         out.backward(torch.randn_like(out))
-    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton"}
+    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "gluon-sm90", "bwd_dkdv": "triton"}
     by_name = {launch.kernel.__name__: launch for launch in launches}
     fwd = by_name["_hopper_fwd_kernel"]
     named = dict(zip((p.name for p in fwd.kernel.params), fwd.args))
     assert fwd.kwargs["HAS_DROPOUT"] and named["dropout_p"] == 0.25
-    for name in ("_bwd_dq_kernel", "_bwd_dkdv_kernel"):
-        launch = by_name[name]
-        assert launch.kwargs["HAS_DROPOUT"], name
-        bwd_named = dict(zip(launch.kernel.arg_names, launch.args))
-        assert torch.equal(bwd_named["RNG"], named["RNG"]) and bwd_named["dropout_p"] == 0.25, name
+    dq = by_name["_hopper_dq_kernel"]
+    dq_named = dict(zip((p.name for p in dq.kernel.params), dq.args))
+    assert dq.kwargs["HAS_DROPOUT"] and dq_named["dropout_p"] == 0.25 and dq_named["RNG"] is named["RNG"]
+    dkdv = by_name["_bwd_dkdv_kernel"]
+    assert dkdv.kwargs["HAS_DROPOUT"] and not dkdv.kwargs["PDL"] and "launch_pdl" not in dkdv.kwargs
+    dkdv_named = dict(zip(dkdv.kernel.arg_names, dkdv.args))
+    assert torch.equal(dkdv_named["RNG"], named["RNG"]) and dkdv_named["dropout_p"] == 0.25
+    assert dkdv_named["DELTA"] is dq_named["DELTA"]
+    ready = dkdv_named["READY"]  # (sequence, head)
+    assert (ready == 2 ** 31 - 1).all() and ready.numel() == (3 if varlen else 2) * 4

@@ -6,8 +6,8 @@
 Covers the Triton and the Gluon (sm_90) kernels: dense forward+backward at head dims 64 (Triton), 128 (Gluon) and
 256 (Triton, whose backward's dK/dV kernel runs beside dQ through PDL), causal and windowed; varlen forward+backward
 through the persistent Gluon kernels (one query per sequence among them) and the Triton ones; paged varlen;
-KV-cache decode with append, rotary and pages; combine; the features (dropout at d64 and on the Gluon forward at
-d128, learnable sinks, chunked attention, head_dim_v 192/128, head dim 512, DeepSeek's absorbed 576/512 decode).
+KV-cache decode with append, rotary and pages; combine; the features (dropout at d64 and on the Gluon forward and
+dQ at d128, learnable sinks, chunked attention, head_dim_v 192/128, head dim 512, DeepSeek's absorbed 576/512 decode).
 --small halves the shapes (racecheck is slow); --only runs some of the sections (dense, varlen, paged, kvcache,
 combine, features) and --head-dims some of the dense and varlen head dims, and --forward runs no backward, so that
 a sanitizer's report can be narrowed to one kernel. Prints one line per call; the sanitizer's own report says what
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         flashtile.combine(torch.randn(3, 2, 5, 4, 64, device="cuda"), torch.randn(3, 2, 4, 5, device="cuda"))
         print("combine", flush=True)
     features = (("dropout", 64, 64, dict(dropout_p=0.1, causal=True)),
-                ("dropout", 128, 128, dict(dropout_p=0.1, window_size=(70, -1))),  # the Gluon forward on sm_90
+                ("dropout", 128, 128, dict(dropout_p=0.1, window_size=(70, -1))),  # Gluon forward and dQ on sm_90
                 ("sinks", 128, 128, dict(learnable_sink=torch.randn(4, device="cuda", generator=g), causal=True)),
                 ("chunk", 128, 128, dict(attention_chunk=96, causal=True)),
                 ("head_dim_v", 192, 128, dict(causal=True)),

@@ -98,7 +98,8 @@ def _tile(kernel: str, gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, 
 
 def coverage() -> dict:
     """{"target": what the table describes, "rows": [...]}: for each dtype x (q/k, v) head dims x feature class,
-    the kernel path ('gluon-sm90', 'triton', or with dropout 'gluon-sm90 fwd, triton bwd'), why not Gluon, and the
+    the kernel path ('gluon-sm90', 'triton', or with dropout each kernel's: 'gluon-sm90 fwd, gluon-sm90 bwd_dq,
+    triton bwd_dkdv'), why not Gluon, and the
     tile of each kernel (fwd, bwd_dq, bwd_dkdv; paged K/V has no backward, and decode runs its own kernel whose tile
     is given too)."""
     gpu = torch.cuda.is_available() and not env.INTERPRET
@@ -113,16 +114,16 @@ def coverage() -> dict:
                 reasons = {}  # kernel -> why not Gluon (None: Gluon)
                 for kernel in KERNELS[:1] if paged else KERNELS:
                     if gpu:
-                        reason = hopper_unsupported(device, dtype, d, head_dim_v=dv, backward=kernel != "fwd",
-                                                    **props)
+                        reason = hopper_unsupported(device, dtype, d, head_dim_v=dv, kernel=kernel, **props)
                     elif not env.hopper():
                         reason = "switched off by FLASHTILE_HOPPER=0"
                     else:
-                        reason = feature_unsupported(dtype, d, head_dim_v=dv, backward=kernel != "fwd", **props)
+                        reason = feature_unsupported(dtype, d, head_dim_v=dv, kernel=kernel, **props)
                     reasons[kernel] = reason
                 paths = {HOPPER_PATH if r is None else TRITON for r in reasons.values()}
-                # With dropout the forward alone runs Gluon (Note [dropout on the Gluon path] in ops/hopper.py).
-                path = paths.pop() if len(paths) == 1 else f"{HOPPER_PATH} fwd, {TRITON} bwd"
+                # With dropout the dK/dV kernel runs Triton (Note [dropout on the Gluon path] in ops/hopper.py).
+                path = paths.pop() if len(paths) == 1 else ", ".join(
+                    f"{HOPPER_PATH if r is None else TRITON} {k}" for k, r in reasons.items())
                 reason = next((r for r in reasons.values() if r is not None), None)
                 row = {"dtype": dtype_name, "head_dim": d, "head_dim_v": dv, "feature": feature,
                        "path": path, "why": reason,

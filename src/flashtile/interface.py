@@ -126,8 +126,8 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
 
     Returns {'fwd': path, 'bwd_dq': path, 'bwd_dkdv': path, 'reason': str or None}, each path 'gluon-sm90' (the
     warp-specialised Hopper kernels) or 'triton', and the reason why the Hopper kernels do not run where they do
-    not (with dropout the forward runs them unless causal or with a right window, and the backward does not: Note
-    [dropout on the Gluon path] in ops/hopper.py). The packed and varlen entry points follow the same rule for
+    not (with dropout the dQ kernel runs them, the forward unless causal or with a right window, the dK/dV kernel
+    not: Note [dropout on the Gluon path] in ops/hopper.py). The packed and varlen entry points follow the same rule for
     their q, k, v (varlen with seqused_q/k or a block_table runs the Triton kernels). Arguments are validated as
     flash_attn_func validates them; nothing is computed.
     `last_kernel_paths()` says what the last call ran.
@@ -137,12 +137,12 @@ def kernel_paths(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi
     require_runnable(q)
     if p.seqlen_k == 0:
         return {"fwd": TRITON, "bwd_dq": TRITON, "bwd_dkdv": TRITON, "reason": "no keys (seqlen_k == 0)"}
-    fwd, bwd = (hopper_unsupported(q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded,
-                                   softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0, backward=backward,
-                                   right_mask=p.window_right >= 0)
-                for backward in (False, True))
-    bwd_path = TRITON if bwd else HOPPER_PATH
-    return {"fwd": TRITON if fwd else HOPPER_PATH, "bwd_dq": bwd_path, "bwd_dkdv": bwd_path, "reason": fwd or bwd}
+    reasons = {kernel: hopper_unsupported(q.device, q.dtype, p.head_dim_padded, head_dim_v=p.head_dim_v_padded,
+                                          softcap=p.softcap, alibi=p.alibi, dropout=p.dropout_p > 0.0, kernel=kernel,
+                                          right_mask=p.window_right >= 0)
+               for kernel in ("fwd", "bwd_dq", "bwd_dkdv")}
+    paths = {kernel: TRITON if why else HOPPER_PATH for kernel, why in reasons.items()}
+    return {**paths, "reason": next((why for why in reasons.values() if why), None)}
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -50,7 +50,9 @@ kernel's, forward+backward 1.2-2.8% faster on dense batches at S = 1k-16k (docs/
 
 Scope (ops/hopper.py): as the other Gluon kernels, dense and varlen batches, fp16/bf16, D 128 and q/k 192 with v
 128 (HEAD_DIM_TAIL, Note [head dim parts] in hopper_common.py), MHA/GQA/MQA, any lengths, causal and sliding
-windows, chunked attention (MASK_CHUNK). Not softcap, ALiBi, seqused.
+windows, chunked attention (MASK_CHUNK), dropout (HAS_DROPOUT: dP_j's entries are dropped and scaled by 1 / (1 - p)
+as in kernels/bwd.py, the mask drawn entry by entry where dP_j sits, under the dP matmul: Note [dropout entries]
+in dropout.py). Not softcap, ALiBi, seqused.
 """
 
 from triton.experimental import gluon
@@ -59,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
+from .dropout import dropout_state, keep_entries, mask_factor
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
                             publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
                             tma_store, work_item, zero_rows_from)
@@ -123,8 +126,8 @@ class _Item:
     """One work item as the persistent loader describes it to the consumers, in publish_item's field order
     (hopper_common): `valid` (false for the first item past the list, which ends the program), the query head, the
     item's first query row in its sequence, where the sequence's queries start in the packed tensor, both lengths,
-    the item's first key block and how many it has, and a dense batch's sequence (a varlen item's q_row0 places
-    it)."""
+    the item's first key block and how many it has, a dense batch's sequence for its descriptors (0 for a varlen
+    item, whose q_row0 places it), and the item's sequence, which the dropout mask takes."""
     valid: gl.tensor
     h: gl.tensor
     m_start: gl.tensor
@@ -134,17 +137,18 @@ class _Item:
     lo: gl.tensor
     n_blocks: gl.tensor
     b: gl.tensor
+    seq: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b):
+    def __init__(self, valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b, seq):
         item_fields(self, locals())
 
 
 @gluon.jit
 def _read_item(slot):
     """The item _loader published in slot."""
-    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b, _, _, _ = read_item(slot)
-    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b)
+    valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b, seq, _, _ = read_item(slot)
+    return _Item(valid, h, m_start, q_row0, seqlen_q, seqlen_k, lo, n_blocks, b, seq)
 
 
 @gluon.jit
@@ -169,17 +173,18 @@ def _loader(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_s, q2_s, do_s, 
                                                                   CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
                                                                   2 * BLOCK_M, True, False)
             valid = valid & (w < n_items)
+            seq = b
             b = 0  # the descriptors are over the packed tensors
         else:
             b, h, tile = dense_work_item(gl.minimum(w, n_items - 1), heads, seqlen_q, 2 * BLOCK_M, True)
             valid = w < n_items
-            q_row0, sq, k_row0, sk = 0, seqlen_q, 0, seqlen_k
+            q_row0, sq, k_row0, sk, seq = 0, seqlen_q, 0, seqlen_k, b
         m_start = tile * 2 * BLOCK_M
         lo, _, _, hi = kv_block_range(m_start, sq, sk, wl, wr, 2 * BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
                                       chunk, MASK_CHUNK)
         n_blocks = (hi - lo + BLOCK_N - 1) // BLOCK_N
         sets.wait_free(r)
-        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, b, 0, 0, 0)  # _Item
+        publish_item(sets.info_slot(r), valid, h, m_start, q_row0, sq, sk, lo, n_blocks, b, seq, 0, 0)  # _Item
         if valid:
             n_landed = _load_item(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_s, q2_s, do_s, k_s, k2_s, v_s,
                                   sets.held, ring, landed, b, h, h // GROUP, m_start, lo, n_blocks, q_row0, k_row0,
@@ -209,12 +214,14 @@ def _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM: gl.constexpr, BL
 @gluon.jit
 def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, ring,
                   b, h, m_start, lo, n_blocks, o_off, stride_om, lse_off, q_row0, seqlen_q, seqlen_k, wl, wr, chunk,
-                  qk_scale, softmax_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr,
+                  qk_scale, softmax_scale, drop, drop_scale, stride_dqm, stride_dqh, it0, qi, HEAD_DIM: gl.constexpr,
                   HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
+                  MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
+                  HAS_DROPOUT: gl.constexpr):
     """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
     ring position it0. It leaves its dQ store in flight. With HEAD_DIM_TAIL, S = Q Kᵀ runs as two wgmmas into one
-    accumulator and dQ's tail columns accumulate on their own (Note [head dim parts] in hopper_common.py)."""
+    accumulator and dQ's tail columns accumulate on their own (Note [head dim parts] in hopper_common.py). drop:
+    (seed, stream, b * H + h, threshold) of the dropout mask (HAS_DROPOUT), drop_scale 1 / (1 - p)."""
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -269,7 +276,14 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
             p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
         else:
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as kernels/bwd.py; the mask under the dP matmul
+            seed, stream, bh, threshold = drop
+            keys = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+            keep = keep_entries(seed, stream, bh, gl.expand_dims(rows, 1), n0, keys, threshold)
+            z = mask_factor(keep, drop_scale)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        if HAS_DROPOUT:
+            dp = dp * z
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
         if HEAD_DIM_TAIL > 0:
@@ -296,15 +310,18 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring,
-              wl, wr, chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh,
-              stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
+def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, RNG, q_s, q2_s, do_s, k_s, k2_s, v_s, sets,
+              ring, wl, wr, chunk, qk_scale, softmax_scale, dropout_p, stride_lb, stride_lh, stride_ob, stride_om,
+              stride_oh, stride_dqm, stride_dqh, heads, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
     landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
     that buffer back."""
+    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    if HAS_DROPOUT:
+        seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
     it0 = 0
     r = 0
     done = False
@@ -325,11 +342,12 @@ def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, 
                 b = item.b
                 o_off = b.to(gl.int64) * stride_ob + h64 * stride_oh
                 lse_off = b.to(gl.int64) * stride_lb + h64 * stride_lh
+            drop = (seed, stream, item.seq * heads + item.h, threshold)
             _consume_item(c, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, ring, b,
                           item.h, item.m_start, item.lo, item.n_blocks, o_off, stride_om, lse_off, item.q_row0,
-                          item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dqm,
-                          stride_dqh, it0, qi, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                          MASK_CHUNK, IS_VARLEN)
+                          item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, drop, drop_scale,
+                          stride_dqm, stride_dqh, it0, qi, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT,
+                          MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_DROPOUT)
             it0 += item.n_blocks
         else:
             done = True
@@ -339,15 +357,15 @@ def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dq_kernel(Q, Q2, K, K2, V, DO, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, TILES, CU_SEQLENS_Q, CU_SEQLENS_K, COUNTER,
-                      qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32, stride_ob, stride_om,
-                      stride_oh, seqlen_q: gl.int32,
+def _hopper_dq_kernel(Q, Q2, K, K2, V, DO, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, RNG, TILES, CU_SEQLENS_Q, CU_SEQLENS_K,
+                      COUNTER, qk_scale, softmax_scale, dropout_p, stride_lb: gl.int32, stride_lh: gl.int32,
+                      stride_ob, stride_om, stride_oh, seqlen_q: gl.int32,
                       seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32, stride_dqm, stride_dqh,
                       n_items: gl.int32, heads: gl.int32, chunk: gl.int32,
                       HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                      HAS_DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent dQ];
     COUNTER the zeroed work counter). Q, K, V, DO, DQ are host descriptors: over (B, S, H, D) for a dense batch,
     whose items are B x H x the query tiles and which leaves DQ_PTR, TILES, CU_SEQLENS and the dQ strides unused;
@@ -356,7 +374,8 @@ def _hopper_dq_kernel(Q, Q2, K, K2, V, DO, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, TIL
     head) strides; LSE and DELTA share theirs. DQ_PTR is dQ's tensor, for the last tile of a varlen sequence.
     HEAD_DIM is V's and dO's head dim and the first HEAD_DIM columns of Q, K and dQ; HEAD_DIM_TAIL > 0 (MLA
     prefill's q/k 192 with v 128) reads and writes their next HEAD_DIM_TAIL columns through Q2, K2 and DQ2 (as the
-    forward's Q2 and K2; else unused)."""
+    forward's Q2 and K2; else unused). RNG and dropout_p: the forward's seed and stream (ops/dropout.py) and p
+    (HAS_DROPOUT; else unused)."""
     gl.static_assert(BLOCK_M % BLOCK_N == 0, "the two consumers' ranges differ by whole key blocks")
     landed = barrier_array(1, 1).index(0)
     k_s = tile_buffers(K, STAGES, BLOCK_N, HEAD_DIM, IS_VARLEN)
@@ -375,14 +394,14 @@ def _hopper_dq_kernel(Q, Q2, K, K2, V, DO, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, TIL
     sets = BufferSets(held, q_free, info)
     ring = Ring(ready, empty, STAGES)
     gl.warp_specialize([
-        (_consumer, (0, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, wl, wr, chunk,
-                     qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm,
-                     stride_dqh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                     IS_VARLEN)),
-        (_consumer, (1, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, wl, wr, chunk,
-                     qk_scale, softmax_scale, stride_lb, stride_lh, stride_ob, stride_om, stride_oh, stride_dqm,
-                     stride_dqh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                     IS_VARLEN)),
+        (_consumer, (0, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, RNG, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, wl, wr,
+                     chunk, qk_scale, softmax_scale, dropout_p, stride_lb, stride_lh, stride_ob, stride_om, stride_oh,
+                     stride_dqm, stride_dqh, heads, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                     MASK_CHUNK, IS_VARLEN, HAS_DROPOUT)),
+        (_consumer, (1, DQ, DQ2, DQ_PTR, OUT, LSE, DELTA, RNG, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, wl, wr,
+                     chunk, qk_scale, softmax_scale, dropout_p, stride_lb, stride_lh, stride_ob, stride_om, stride_oh,
+                     stride_dqm, stride_dqh, heads, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                     MASK_CHUNK, IS_VARLEN, HAS_DROPOUT)),
         (_loader, (Q, Q2, DO, K, K2, V, q_s, q2_s, do_s, k_s, k2_s, v_s, sets, ring, landed, COUNTER, TILES,
                    CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N,
                    HEAD_DIM, HEAD_DIM_TAIL, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),

@@ -128,7 +128,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         for g in grads:
             g.zero_()
         return grads, None
-    nheads, nheads_kv, head_dim, gluon = p.nheads, p.nheads_kv, p.head_dim, p.bwd_gluon
+    nheads, nheads_kv, head_dim, gluon, dkdv_gluon = p.nheads, p.nheads_kv, p.head_dim, p.dq_gluon, p.dkdv_gluon
     fp32, dropout = q.dtype == torch.float32, p.dropout_p > 0.0  # the tile table's row (config.tile_config)
     batch, seqlen_q, seqlen_k = p.batch, p.seqlen_q, p.seqlen_k
     plan_k = None
@@ -138,7 +138,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         # (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it walks the
         # schedule (dq_list_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its consumer's
         # rows, and the Gluon dK/dV kernel from a first-first list of the key side (ops/call.py decides which).
-        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, p.fwd_gluon, gluon, dropout, p.head_dim_v)
+        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, p.fwd_gluon, gluon, dkdv_gluon, dropout,
+                                              p.head_dim_v)
         if plan is None or not plan.has(dq_block, 0):
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
                                *plan_lists((dq_block, False), *(((dkdv_block, True),) if p.self_attention else ())))
@@ -148,9 +149,16 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     listed = p.dq_list_block > 0
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     # Written by the dQ kernel for the rows each sequence uses, the only ones dK/dV reads; for the Triton dK/dV
-    # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py).
+    # kernel `ready` counts them per (sequence, head) (Note [delta handoff] in kernels/bwd.py), which the Triton dQ
+    # kernel publishes. After the Gluon dQ kernel (with dropout: Note [dropout on the Gluon path]) delta is
+    # complete once dK/dV starts, later on the same stream: its counts start past every length.
     delta = torch.empty_like(lse)
-    ready = None if gluon else torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
+    if dkdv_gluon:
+        ready = None
+    elif gluon:
+        ready = torch.full((batch * nheads,), 2 ** 31 - 1, dtype=torch.int32, device=q.device)
+    else:
+        ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
     # The Triton dQ kernel streams K and V through host descriptors (ops/fwd.py, Note [host descriptors]), built
     # only when it runs; the Triton dK/dV kernel through descriptors it builds per (sequence, head).
     host = HOST_DESCRIPTORS and block_d(p.tile_dim) <= HOST_DESCRIPTOR_MAX_D
@@ -172,7 +180,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         constexprs = dict(GROUP=nheads // nheads_kv, PDL=pdl, **head_dims(head_dim, p.head_dim_v), **flags)
         if kernel == "bwd_dq":
             constexprs.update(STEP=schedule_step(batch, varlen and not listed), LISTED=listed, DESC=desc,
-                              PUBLISH=not gluon)
+                              PUBLISH=not dkdv_gluon)
         else:
             constexprs.update(STEP=schedule_step(batch, varlen))
         strides = (*bmh_strides(q, varlen), *bmh_strides(k, varlen), *bmh_strides(v, varlen),
@@ -189,13 +197,23 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     # shapes and the packing fix), so the problem's key is complete (Note [launch cache]).
     key = p.launch_key
     prepare_launch(q)
+    def triton_dkdv():
+        launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
+               (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
+                None if plan_k is None else plan_k.schedule, p.rng, *scalars),
+               lambda: static("bwd_dkdv"), pdl=pdl, dropout=dropout, head_dim_v=p.head_dim_v)
+        record("bwd_dkdv", TRITON)
+
     if gluon:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                      cu_seqlens_q, cu_seqlens_k, plan, p.attention_chunk, key=key)
+                      cu_seqlens_q, cu_seqlens_k, plan, p.attention_chunk, p.rng, p.dropout_p, key=key)
         record("bwd_dq", HOPPER_PATH)
-        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                        cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk, key=key)
-        record("bwd_dkdv", HOPPER_PATH)
+        if dkdv_gluon:
+            hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
+                            cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk, key=key)
+            record("bwd_dkdv", HOPPER_PATH)
+        else:
+            triton_dkdv()
         return grads, delta
     # The dK/dV kernel may run beside the dQ kernel (PDL): the dQ kernel's descriptor scratch must outlive both
     # launches (Note [scratch under PDL] in ops/launch.py).
@@ -205,11 +223,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
                 None if plan is None else plan.last_first if listed else plan.schedule, p.rng, *scalars),
                lambda: static("bwd_dq"), pre_hook=_DQ_BLOCKS, dropout=dropout, head_dim_v=p.head_dim_v)
         record("bwd_dq", TRITON)
-        launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
-               (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
-                None if plan_k is None else plan_k.schedule, p.rng, *scalars),
-               lambda: static("bwd_dkdv"), pdl=pdl, dropout=dropout, head_dim_v=p.head_dim_v)
-    record("bwd_dkdv", TRITON)
+        triton_dkdv()
     return grads, delta
 
 

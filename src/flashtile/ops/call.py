@@ -69,8 +69,9 @@ class OpProblem(NamedTuple):
     self_attention: bool  # varlen: the same tensors describe both sides (ops/schedule.self_attention)
     # Dispatch: None when the Gluon kernels run, else why the Triton ones do (ops/hopper.py).
     fwd_unsupported: Optional[str]
-    bwd_unsupported: Optional[str]
-    pdl: bool  # backward: the Triton dK/dV kernel overlaps dQ (Note [delta handoff] in kernels/bwd.py)
+    dq_unsupported: Optional[str]
+    dkdv_unsupported: Optional[str]
+    pdl: bool  # backward: the Triton dK/dV kernel overlaps the Triton dQ (Note [delta handoff] in kernels/bwd.py)
     dq_list_block: int  # backward: rows per tile of the list the dQ kernel reads (0: it walks the schedule)
     launch_key: tuple  # key(), as op_problem derived or remembered it (Note [problem memo])
 
@@ -89,8 +90,12 @@ class OpProblem(NamedTuple):
         return self.fwd_unsupported is None
 
     @property
-    def bwd_gluon(self) -> bool:
-        return self.bwd_unsupported is None
+    def dq_gluon(self) -> bool:
+        return self.dq_unsupported is None
+
+    @property
+    def dkdv_gluon(self) -> bool:
+        return self.dkdv_unsupported is None
 
     def key(self) -> tuple:
         """The launch-cache key: every field, tensors by their signature, the per-call floats (softmax_scale,
@@ -185,14 +190,13 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         self_attn = False
     seqused = seqused_q is not None or seqused_k is not None
-    fwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged,
-                                         seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
-                                         dropout=dropout_p > 0.0, right_mask=window_right >= 0) \
-        if k.numel() > 0 else "no keys"
-    bwd_unsupported = fwd_unsupported  # the backward runs the kernels of its forward's path, but with dropout
-    if fwd_unsupported is None and dropout_p > 0.0:  # Note [dropout on the Gluon path] in ops/hopper.py
-        bwd_unsupported = hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, dropout=True,
-                                             backward=True)
+    # Every kernel runs its forward's path, but with dropout each has its own (Note [dropout on the Gluon path]).
+    kernels = ("fwd", "bwd_dq", "bwd_dkdv") if dropout_p > 0.0 else ("fwd",)
+    unsupported = [hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged,
+                                      seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
+                                      dropout=dropout_p > 0.0, right_mask=window_right >= 0, kernel=kernel)
+                   if k.numel() > 0 else "no keys" for kernel in kernels]
+    fwd_unsupported, dq_unsupported, dkdv_unsupported = unsupported * (3 // len(unsupported))
     pdl, dq_list_block = False, 0
     if dout is not None:
         dout, out = tma_ready(dout), tma_ready(out)
@@ -201,14 +205,15 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         lse = lse.contiguous()
         copied = copied or dout is not given[3] or out is not given[4] or lse is not given[5]
         # Not under CUDA-graph capture: PDL launches inside a captured graph have not been run on our GPU.
-        pdl = bwd_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
+        pdl = dq_unsupported is not None and pdl_supported(q.device) and not graph_capturing(q.device)
         if varlen:
             dq_list_block = list_blocks(max(head_dim, head_dim_v), q.dtype == torch.float32,
-                                        fwd_unsupported is None, bwd_unsupported is None, dropout_p > 0.0,
-                                        head_dim_v)[1]
+                                        fwd_unsupported is None, dq_unsupported is None, dkdv_unsupported is None,
+                                        dropout_p > 0.0, head_dim_v)[1]
     p = OpProblem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, block_table,
                   learnable_sink, rng, dout, out, lse, varlen, paged, batch, seqlen_q, seqlen_k, nheads, nheads_kv,
                   head_dim, head_dim_v, float(softmax_scale), window_left, window_right, attention_chunk,
-                  float(softcap), float(dropout_p), packing, self_attn, fwd_unsupported, bwd_unsupported, pdl,
+                  float(softcap), float(dropout_p), packing, self_attn, fwd_unsupported, dq_unsupported,
+                  dkdv_unsupported, pdl,
                   dq_list_block, ())
     return p._replace(launch_key=p.key()), copied

@@ -111,8 +111,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
     if varlen:
         # The kernel reads each sequence's lengths, clamped to the bounds its seqlen arguments carry
         # (kernels/seqlen.py: seq_info; ops/call.OpProblem).
-        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon, p.bwd_gluon,
-                                                     p.dropout_p > 0.0, p.head_dim_v)
+        fwd_block, dq_block, dkdv_block = list_blocks(p.tile_dim, q.dtype == torch.float32, gluon, p.dq_gluon,
+                                                     p.dkdv_gluon, p.dropout_p > 0.0, p.head_dim_v)
         backward = for_backward and p.self_attention
         lists = plan_lists((fwd_block, False), *(((dq_block, False), (dkdv_block, True)) if backward else ()))
         plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k, *lists,

@@ -5,23 +5,25 @@ Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes r
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
 and MLA prefill's q/k 192 with v 128 (config.HOPPER, gluon_head_dims: Q and K read as 128 + 64 columns, Note
 [head dim parts] in kernels/hopper_common.py), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and
-sliding windows, chunked attention, learnable sinks, and dropout in a forward without a causal or right-window mask.
-Everything else (softcap, ALiBi, the rest of dropout, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs,
-the interpreter) runs the Triton kernels. `hopper_unsupported` is the one decision: the ops ask it on every call,
-for the forward and (with `backward=True`) the backward, and `flashtile.kernel_paths` asks it for a user, with the
-reason when the answer is no; `last_kernel_paths` says which kernels the last forward and backward ran.
-FLASHTILE_HOPPER=0 switches the path off.
+sliding windows, chunked attention, learnable sinks, and dropout in the dQ kernel and in a forward without a causal
+or right-window mask. Everything else (softcap, ALiBi, the rest of dropout, seqused_q/k, paged K/V, other head dims
+or dtypes, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one decision: the ops
+ask it on every call, for each kernel (`kernel`: fwd, bwd_dq, bwd_dkdv), and `flashtile.kernel_paths` asks it for
+a user, with the reason when the answer is no; `last_kernel_paths` says which kernels the last forward and backward
+ran. FLASHTILE_HOPPER=0 switches the path off.
 
-Note [dropout on the Gluon path]: the forward draws the mask where P sits, in the wgmma accumulator (Note [dropout
-entries] in kernels/dropout.py), one Philox call per sixteen entries as every Triton kernel does. The Gluon dK/dV
-kernel holds its tile transposed (keys x queries: kernels/hopper_bwd.py), where a thread's entries are two keys of
-many queries: the mask's calls, sixteen keys of one query each, would serve two to four of its entries, four to
-eight times the Philox work of the other kernels. So a call with dropout runs the Gluon forward and the Triton
-backward (whose dK/dV tile turns to queries x keys with dropout, kernels/bwd.py); both regenerate one mask. Only
-without a causal or right-window mask (`right_mask`): against the Triton forward with dropout on the H200 (bf16,
-d128, B·S = 16k, p = 0.1, tools/ab_trees.py --dropout 0.1) the Gluon one was 1.12-1.14x faster without a mask at
-S = 1k-16k and on the varlen mix, but causal 0.755x at 1k, 1.04x at 4k, 1.08x at 16k and 0.92x on the mix: the
-short causal items, whose first and diagonal blocks run their softmax and mask with no P V beneath, lost.
+Note [dropout on the Gluon path]: the forward and the dQ kernel draw the mask where P and dP sit, in the wgmma
+accumulator (Note [dropout entries] in kernels/dropout.py), one Philox call per sixteen entries as every Triton
+kernel does. The Gluon dK/dV kernel holds its tile transposed (keys x queries: kernels/hopper_bwd.py), where a
+thread's entries are two keys of many queries: the mask's calls, sixteen keys of one query each, would serve two to
+four of its entries, four to eight times the Philox work of the other kernels. So a call with dropout runs the
+Triton dK/dV kernel (whose tile turns to queries x keys with dropout, kernels/bwd.py) after the Gluon dQ kernel,
+which hands it delta through the stream's order instead of the Triton dQ's counters (ops/bwd.py); all regenerate
+one mask. The Gluon forward takes dropout only without a causal or right-window mask (`right_mask`): against the
+Triton forward with dropout on the H200 (bf16, d128, B·S = 16k, p = 0.1, tools/ab_trees.py --dropout 0.1) the
+Gluon one was 1.12-1.14x faster without a mask at S = 1k-16k and on the varlen mix, but causal 0.755x at 1k, 1.04x
+at 4k, 1.08x at 16k and 0.92x on the mix: the short causal items, whose first and diagonal blocks run their
+softmax and mask with no P V beneath, lost.
 
 The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter (Notes
 [persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
@@ -71,8 +73,8 @@ _LAST: dict[str, str] = {}
 
 def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None,
                        paged: bool = False, seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                       dropout: bool = False, backward: bool = False, right_mask: bool = False) -> Optional[str]:
-    """None when a call with these properties runs the Gluon Hopper kernels (its backward's, with `backward`);
+                       dropout: bool = False, kernel: str = "fwd", right_mask: bool = False) -> Optional[str]:
+    """None when a call with these properties runs the Gluon Hopper kernel `kernel` (fwd, bwd_dq or bwd_dkdv);
     otherwise why it does not; right_mask: a causal or right-window mask (window_right >= 0). `head_dim` (q's and
     k's) and `head_dim_v` (v's; None: the same) are the padded ones the kernels see."""
     if env.INTERPRET:
@@ -87,12 +89,12 @@ def hopper_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the Gluon kernels use sm_90's wgmma"
     return feature_unsupported(dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused, softcap=softcap,
-                               alibi=alibi, dropout=dropout, backward=backward, right_mask=right_mask)
+                               alibi=alibi, dropout=dropout, kernel=kernel, right_mask=right_mask)
 
 
 def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Optional[int] = None, paged: bool = False,
                         seqused: bool = False, softcap: float = 0.0, alibi: bool = False,
-                        dropout: bool = False, backward: bool = False, right_mask: bool = False) -> Optional[str]:
+                        dropout: bool = False, kernel: str = "fwd", right_mask: bool = False) -> Optional[str]:
     """The part of hopper_unsupported that depends on the call alone: None when, on an sm_90 GPU with the fast path
     on, a call with these properties runs the Gluon kernels; otherwise why not (`flashtile info` tabulates it)."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -108,9 +110,9 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi")):
         if cond:
             return f"{what}: not in the Gluon kernels"
-    if dropout and backward:
-        return "dropout: not in the Gluon backward kernels (Note [dropout on the Gluon path] in ops/hopper.py)"
-    if dropout and right_mask:
+    if dropout and kernel == "bwd_dkdv":
+        return "dropout: not in the Gluon dK/dV kernel (Note [dropout on the Gluon path] in ops/hopper.py)"
+    if dropout and right_mask and kernel == "fwd":
         return ("dropout with a causal or right-window mask: the Triton forward is the faster one there (Note "
                 "[dropout on the Gluon path] in ops/hopper.py)")
     return None
@@ -295,10 +297,11 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
            window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
-           attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
+           attention_chunk: int = 0, rng: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+           key: Optional[tuple] = None) -> None:
     """dq and delta = rowsum(dout * out) of a problem that hopper_unsupported accepts: dense (B, S, H, D), or varlen
-    (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles. key:
-    as fwd's."""
+    (total, H, D) with its cu_seqlens and a plan holding the last-first list of 2 x BLOCK_M-row query tiles; rng:
+    the forward's seed and stream when dropout_p > 0. key: as fwd's."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["bwd_dq"][head_dim]
     first, tail = head_dim_parts(head_dim)
@@ -324,17 +327,17 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
                           n_items=n_items, heads=nheads)
         return StaticByName(_persistent_grid(n_items, programs), static,
                             dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
-                                 HEAD_DIM_TAIL=tail))
+                                 HEAD_DIM_TAIL=tail, HAS_DROPOUT=dropout_p > 0.0))
 
     key = None if key is None else (key, programs, 2)
     Q, Q2, K, K2, V, DO, DQ, DQ2 = _part_descs(key, first, tail, ((q, cfg.block_m), (k, cfg.block_n),
                                                                   (v, cfg.block_n), (dout, cfg.block_m),
                                                                   (dq, cfg.block_m)), split=(0, 1, 4))
     dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DQ=DQ, DQ2=DQ2, DQ_PTR=dq if varlen else None, OUT=out,
-                   LSE=lse, DELTA=delta,
+                   LSE=lse, DELTA=delta, RNG=rng,
                    TILES=plan.last_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k,
                    COUNTER=plan.counters[2] if varlen else dense_counter(q.device, 2), qk_scale=qk_scale,
-                   softmax_scale=softmax_scale)
+                   softmax_scale=softmax_scale, dropout_p=dropout_p)
     launch_named(_hopper_dq_kernel, dynamic, statics, num_warps=4, key=key)
 
 
