@@ -243,7 +243,7 @@ def test_info_text_and_json(capsys):
         assert by_key[("bf16", 128, "learnable sink")]["path"] == "gluon-sm90"
         assert by_key[("bf16", 128, "attention chunk")]["path"] == "gluon-sm90"
         dropout = by_key[("bf16", 128, "dropout")]  # Note [dropout on the Gluon path]
-        assert dropout["path"] == "gluon-sm90 fwd, gluon-sm90 bwd_dq, triton bwd_dkdv" and "dK/dV" in dropout["why"]
+        assert dropout["path"] == "gluon-sm90 (bwd_dkdv: triton)" and "dK/dV" in dropout["why"]
         assert dropout["tiles"]["fwd"] == by_key[("bf16", 128, "dense")]["tiles"]["fwd"]
         assert "w" in dropout["tiles"]["bwd_dkdv"]  # a Triton tile: its warps
         assert by_key[("fp32", 128, "dense")]["path"] == "triton"

@@ -98,10 +98,9 @@ def _tile(kernel: str, gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, 
 
 def coverage() -> dict:
     """{"target": what the table describes, "rows": [...]}: for each dtype x (q/k, v) head dims x feature class,
-    the kernel path ('gluon-sm90', 'triton', or with dropout each kernel's: 'gluon-sm90 fwd, gluon-sm90 bwd_dq,
-    triton bwd_dkdv'), why not Gluon, and the
-    tile of each kernel (fwd, bwd_dq, bwd_dkdv; paged K/V has no backward, and decode runs its own kernel whose tile
-    is given too)."""
+    the kernel path ('gluon-sm90', 'triton', or with dropout 'gluon-sm90 (bwd_dkdv: triton)'), why not Gluon, and
+    the tile of each kernel (fwd, bwd_dq, bwd_dkdv; paged K/V has no backward, and decode runs its own kernel whose
+    tile is given too)."""
     gpu = torch.cuda.is_available() and not env.INTERPRET
     device = torch.device("cuda") if gpu else None
     target = (f"{torch.cuda.get_device_name(0)} (this machine's GPU)" if gpu
@@ -122,8 +121,8 @@ def coverage() -> dict:
                     reasons[kernel] = reason
                 paths = {HOPPER_PATH if r is None else TRITON for r in reasons.values()}
                 # With dropout the dK/dV kernel runs Triton (Note [dropout on the Gluon path] in ops/hopper.py).
-                path = paths.pop() if len(paths) == 1 else ", ".join(
-                    f"{HOPPER_PATH if r is None else TRITON} {k}" for k, r in reasons.items())
+                path = paths.pop() if len(paths) == 1 else "{} ({}: {})".format(
+                    HOPPER_PATH, ", ".join(k for k, r in reasons.items() if r is not None), TRITON)
                 reason = next((r for r in reasons.values() if r is not None), None)
                 row = {"dtype": dtype_name, "head_dim": d, "head_dim_v": dv, "feature": feature,
                        "path": path, "why": reason,
