@@ -128,7 +128,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         for g in grads:
             g.zero_()
         return grads, None
-    nheads, nheads_kv, head_dim, gluon, dkdv_gluon = p.nheads, p.nheads_kv, p.head_dim, p.dq_gluon, p.dkdv_gluon
+    nheads, nheads_kv, head_dim, dq_gluon, dkdv_gluon = p.nheads, p.nheads_kv, p.head_dim, p.dq_gluon, p.dkdv_gluon
     fp32, dropout = q.dtype == torch.float32, p.dropout_p > 0.0  # the tile table's row (config.tile_config)
     batch, seqlen_q, seqlen_k = p.batch, p.seqlen_q, p.seqlen_k
     plan_k = None
@@ -138,7 +138,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         # (seqlen.tile_coords, LISTED), unless an autotuner may launch it with another BLOCK_M: then it walks the
         # schedule (dq_list_block 0); the Gluon dQ kernel takes items from a last-first list of 2 x its consumer's
         # rows, and the Gluon dK/dV kernel from a first-first list of the key side (ops/call.py decides which).
-        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, p.fwd_gluon, gluon, dkdv_gluon, dropout,
+        _, dq_block, dkdv_block = list_blocks(p.tile_dim, fp32, p.fwd_gluon, dq_gluon, dkdv_gluon, dropout,
                                               p.head_dim_v)
         if plan is None or not plan.has(dq_block, 0):
             plan = varlen_plan(cu_seqlens_q, seqused_q, seqlen_q, cu_seqlens_k, seqused_k, seqlen_k,
@@ -155,7 +155,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     delta = torch.empty_like(lse)
     if dkdv_gluon:
         ready = None
-    elif gluon:
+    elif dq_gluon:
         ready = torch.full((batch * nheads,), 2 ** 31 - 1, dtype=torch.int32, device=q.device)
     else:
         ready = torch.zeros(batch * nheads, dtype=torch.int32, device=q.device)
@@ -163,7 +163,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     # only when it runs; the Triton dK/dV kernel through descriptors it builds per (sequence, head).
     host = HOST_DESCRIPTORS and block_d(p.tile_dim) <= HOST_DESCRIPTOR_MAX_D
     desc = (DESC_PACKED.value if varlen else DESC_DENSE.value) if host else DESC_ROW.value
-    if host and not gluon:
+    if host and not dq_gluon:
         block_n = tile_config("bwd_dq", p.tile_dim, fp32, dropout, p.head_dim_v).block_n
         kd, vd = host_desc(k, block_n), host_desc(v, block_n)
     else:
@@ -197,6 +197,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     # shapes and the packing fix), so the problem's key is complete (Note [launch cache]).
     key = p.launch_key
     prepare_launch(q)
+
     def triton_dkdv():
         launch(_bwd_dkdv_kernel, "bwd_dkdv", p.tile_dim, fp32, key,
                (q, k, v, dout, dk, dv, lse, delta, ready, alibi_slopes, *seq_args,
@@ -204,7 +205,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
                lambda: static("bwd_dkdv"), pdl=pdl, dropout=dropout, head_dim_v=p.head_dim_v)
         record("bwd_dkdv", TRITON)
 
-    if gluon:
+    if dq_gluon:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
                       cu_seqlens_q, cu_seqlens_k, plan, p.attention_chunk, p.rng, p.dropout_p, key=key)
         record("bwd_dq", HOPPER_PATH)
