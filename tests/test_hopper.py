@@ -318,7 +318,7 @@ def test_dropout_runs_the_gluon_forward(fake_sm90):
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("varlen", [False, True, "cross"], ids=["dense", "varlen", "varlen-cross"])
 def test_dropout_forward_on_gluon_backward_on_triton(monkeypatch, varlen):
     """With dropout (and a left window, no right one) an sm_90 call launches the Gluon forward and dQ kernels with
     the mask on (HAS_DROPOUT, the call's seed and stream and p) and the Triton dK/dV kernel with the same seed and
@@ -332,9 +332,10 @@ def test_dropout_forward_on_gluon_backward_on_triton(monkeypatch, varlen):
     shape = (300, 4) if varlen else (2, 150, 4)
     q, k, v = (torch.randn(*shape, 128, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+    cu_k = torch.tensor([0, 120, 137, 300], dtype=torch.int32) if varlen == "cross" else cu
     with capture_launches() as launches:
         if varlen:
-            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, dropout_p=0.25, window_size=(40, -1))
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu_k, 163, 163, dropout_p=0.25, window_size=(40, -1))
         else:
             out = flashtile.flash_attn_func(q, k, v, dropout_p=0.25, window_size=(40, -1))
             paths = flashtile.kernel_paths(q, k, v, dropout_p=0.25, window_size=(40, -1))
@@ -357,3 +358,5 @@ def test_dropout_forward_on_gluon_backward_on_triton(monkeypatch, varlen):
     assert dkdv_named["DELTA"] is dq_named["DELTA"]
     ready = dkdv_named["READY"]  # (sequence, head)
     assert (ready == 2 ** 31 - 1).all() and ready.numel() == (3 if varlen else 2) * 4
+    if varlen:  # the Triton dK/dV kernel walks a schedule (of the key side's lengths), the Gluon dQ a tile list
+        assert dkdv_named["SCHEDULE"] is not None and dq_named["TILES"] is not None
