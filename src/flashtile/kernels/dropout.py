@@ -32,7 +32,7 @@ of a query per thread), computes it queries x keys with dropout, so that it too 
 transposes P ∘ Z and dS into its products instead: transposing the mask cost more (kernels/bwd.py).
 
 Note [dropout entries]: `keep_entries` computes the same booleans one entry at a time, for tiles in a layout that
-keep_mask's joins and reshapes would change (the Gluon forward's wgmma accumulator: kernels/hopper_fwd.py). Each
+keep_mask's joins and reshapes would change (the wgmma accumulators of the Gluon forward and dQ kernels). Each
 entry derives its call c, word and byte from its key alone and runs the whole Philox call; the compiler finds the
 sixteen entries of one call in a thread (their counters are the same values: the key's offset within its 8-key
 group comes from the lane, the group from the register) and keeps one call, as the sm_90 builds show (one call per
