@@ -301,7 +301,7 @@ def test_mla_prefill_reads_q_and_k_in_two_parts(monkeypatch, varlen):
             assert b.data_ptr() - a.data_ptr() == 128 * 2 and a.stride() == b.stride(), name
 
 
-def test_dropout_runs_the_gluon_forward(fake_sm90):
+def test_dropout_on_the_gluon_forward_and_dq(fake_sm90):
     """Dropout on the Gluon forward and dQ kernels, not on the dK/dV one (Note [dropout on the Gluon path] in
     ops/hopper.py), at each head dim pair the Gluon kernels take; the forward not under a causal or right-window
     mask, whose short items the Triton forward computes faster."""
@@ -319,7 +319,7 @@ def test_dropout_runs_the_gluon_forward(fake_sm90):
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("varlen", [False, True, "cross"], ids=["dense", "varlen", "varlen-cross"])
-def test_dropout_forward_on_gluon_backward_on_triton(monkeypatch, varlen):
+def test_dropout_launches_gluon_fwd_and_dq_triton_dkdv(monkeypatch, varlen):
     """With dropout (and a left window, no right one) an sm_90 call launches the Gluon forward and dQ kernels with
     the mask on (HAS_DROPOUT, the call's seed and stream and p) and the Triton dK/dV kernel with the same seed and
     stream, so that they regenerate the forward's mask, its delta counts past every length (no Triton dQ publishes
