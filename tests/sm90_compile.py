@@ -197,7 +197,7 @@ def scenarios():
             ("d128 chunk causal", lambda: dense(128, BF16, causal=True, attention_chunk=48)),
             ("d128 chunk", lambda: dense(128, BF16, h=4, hk=4, attention_chunk=48)),
             ("d128 varlen chunk causal", lambda: varlen(128, BF16, h=2, hk=2, causal=True, attention_chunk=48)),
-            # Dropout: the Gluon forward with its mask, the Triton backward (Note [dropout on the Gluon path]).
+            # Dropout: the Gluon forward and dQ with the mask, the Triton dK/dV (Note [dropout on the Gluon path]).
             ("d128 dropout", lambda: dense(128, BF16, h=4, hk=4, dropout_p=0.1)),
             ("d128 dropout window sink", lambda: dense(128, BF16, window_size=(40, -1), dropout_p=0.1,
                                                        learnable_sink=torch.rand(4))),

@@ -162,7 +162,7 @@ def _keep_kernel(OUT, seed, stream, bh, threshold, ROWS: tl.constexpr, COLS: tl.
 
 
 def _keep(device, rows, cols, block_m, block_n, threshold, seed=1234, stream=7, bh=5, entries=False):
-    """keep_mask's booleans over (rows, cols), or keep_entries' (the Gluon forward's: tiles of 64 keys or more)."""
+    """keep_mask's booleans over (rows, cols), or keep_entries' (the Gluon kernels': tiles of 64 keys or more)."""
     out = torch.empty(rows, cols, dtype=torch.int8, device=device)
     _keep_kernel[(rows // block_m, cols // block_n)](out, seed, stream, bh, threshold, rows, cols, block_m, block_n,
                                                      entries)
