@@ -219,8 +219,8 @@ def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h
           seqlen_q, qk_scale, edge, a_layout: gl.constexpr, a2_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
           HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
           MASK_CHUNK: gl.constexpr):
-    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dk2, dv, dsᵀ), dk2
-    the tail columns' (HEAD_DIM_TAIL; else passed through), dsᵀ for the dQ it adds up with ATOMIC_DQ. `edge`: the tile is at a masked end of the consumer's
+    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dk2, dv), dk2 the
+    tail columns' (HEAD_DIM_TAIL; else passed through). `edge`: the tile is at a masked end of the consumer's
     range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
     slot = ring.slot(it)
@@ -258,62 +258,26 @@ def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h
     pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
-    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_t, dk, is_async=True)
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_t, dk, is_async=True)
     if HEAD_DIM_TAIL > 0:
-        dk2 = warpgroup_mma(gl.convert_layout(dst, a2_layout), q2_t, dk2, is_async=True)
+        dk2 = warpgroup_mma(gl.convert_layout(dst.to(dtype), a2_layout), q2_t, dk2, is_async=True)
         dk, dk2, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dk2, dv))
     else:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     ring.release(it)  # this consumer has read Q_i and dO_i
-    return dk, dk2, dv, dst
-
-
-@gluon.jit
-def _dq_step(dst, it, c: gl.constexpr, ex, ds_s, k_s, kv0, acc_t, m_rows, dq_zero, softmax_scale,
-             stride_accm, HEAD_DIM: gl.constexpr, DQ_DEBUG: gl.constexpr):
-    """With ATOMIC_DQ, both consumers' share of dQ_i = dS_i K for ring position it (Note [dQ in the dK/dV
-    kernel]): this consumer's dSᵀ (its BLOCK_N keys; zeros where it computed none) into its exchange buffer, then,
-    once the other's is there too, its half of dQ_i's columns over both consumers' keys, added to the fp32 buffer
-    at acc_t (the tile's first row, this consumer's first column) for the tile's first m_rows rows."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    dq_layout: gl.constexpr = dq_zero.type.layout
-    slot = ex.slot(it)
-    ex.wait_empty(it)  # both consumers have read this buffer's previous dSᵀ
-    ds_s.index(2 * slot + c).store(dst)
-    fence_async_shared()
-    mbarrier.arrive(ex.ready_bar(it), count=1)
-    if DQ_DEBUG != 3:
-        ex.wait_ready(it)
-    if DQ_DEBUG == 4:
-        ex.release(it)
-        return
-    dq = warpgroup_mma(ds_s.index(2 * slot).permute((1, 0)),
-                       k_s.index(kv0).reshape([dst.shape[0], HEAD_DIM]).slice(c * HALF, HALF, 1), dq_zero,
-                       use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds_s.index(2 * slot + 1).permute((1, 0)),
-                       k_s.index(kv0 + 1).reshape([dst.shape[0], HEAD_DIM]).slice(c * HALF, HALF, 1), dq,
-                       is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    ex.release(it)
-    rows = gl.arange(0, dq_zero.shape[0], layout=gl.SliceLayout(1, dq_layout))
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, dq_layout))
-    offs = gl.expand_dims(rows.to(gl.int64) * stride_accm, 1) + gl.expand_dims(cols, 0)
-    if DQ_DEBUG != 2:
-        gl.atomic_add(acc_t + offs, dq * softmax_scale, mask=gl.expand_dims(rows < m_rows, 1), sem="relaxed")
+    return dk, dk2, dv
 
 
 @gluon.jit
 def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s,
                   q2_s, do_s, ring, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q,
                   seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-                  it0, ex, ds_s, acc_item, stride_accm, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  ATOMIC_DQ: gl.constexpr):
+                  it0, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
-    ring position it0. It leaves its dK/dV stores in flight. With ATOMIC_DQ it also adds its share of dQ to the
-    fp32 buffer whose sequence starts at acc_item (_dq_step), over every query tile of the item, its own or not."""
+    ring position it0. It leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -361,46 +325,19 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PT
     own1 = gl.where(key0 < seqlen_k, own1, own0)
     front = gl.minimum(gl.maximum(n_front, own0), own1)  # the item's masked front and tail, within [own0, own1)
     mid = gl.minimum(gl.maximum(n_mid, front), own1)
-    HALF: gl.constexpr = HEAD_DIM // 2
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF, 16])
-    dq_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=dq_layout)  # with ATOMIC_DQ only
-    key_tail = key0 + BLOCK_N > seqlen_k  # keys past the sequence: their dSᵀ rows must not reach dQ
     for g in range(GROUP):
         base = it0 + g * n_tiles
-        if ATOMIC_DQ > 0:
-            # Every tile of the item, this consumer's own or not: the other consumer's dQ needs its dSᵀ (zeros).
-            acc_g = acc_item + (hk * GROUP + g) * HEAD_DIM + c * HALF
-            for t in range(0, n_tiles):
-                m_start = lo + t * BLOCK_M
-                if (t >= own0) & (t < own1):
-                    edge = (t < front) | (t >= mid)
-                    dk, dk2, dv, dst = _tile(dk, dk2, dv, base + t, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s,
-                                             ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge,
-                                             a_layout, a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT,
-                                             MASK_RIGHT, MASK_CHUNK)
-                    if key_tail:
-                        dst = gl.where(gl.expand_dims(keys < seqlen_k, 1), dst, gl.zeros_like(dst))
-                else:
-                    pass_over(base + t, base + t + 1, ring)
-                    dst = st_zero.to(dtype)
-                _dq_step(dst, base + t, c, ex, ds_s, k_s, kv - c, acc_g + m_start.to(gl.int64) * stride_accm,
-                         seqlen_q - m_start, dq_zero, softmax_scale, stride_accm, HEAD_DIM, ATOMIC_DQ)
-        else:
-            pass_over(base, base + own0, ring)
-            # One loop over the consumer's tiles; a tile at either masked end, [own0, front) or [mid, own1),
-            # applies the mask under a branch (Note [one loop per consumer]).
-            for t in range(own0, own1):
-                edge = (t < front) | (t >= mid)
-                dk, dk2, dv, dst = _tile(dk, dk2, dv, base + t, lo + t * BLOCK_M, k_c, k2_c, v_c, q_s, q2_s, do_s,
-                                         ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge,
-                                         a_layout, a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT,
-                                         MASK_RIGHT, MASK_CHUNK)
-            pass_over(base + own1, base + n_tiles, ring)
+        pass_over(base, base + own0, ring)
+        # One loop over the consumer's tiles; a tile at either masked end, [own0, front) or [mid, own1), applies
+        # the mask under a branch (Note [one loop per consumer]).
+        for t in range(own0, own1):
+            edge = (t < front) | (t >= mid)
+            dk, dk2, dv = _tile(dk, dk2, dv, base + t, lo + t * BLOCK_M, k_c, k2_c, v_c, q_s, q2_s, do_s, ring,
+                                lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout,
+                                a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+        pass_over(base + own1, base + n_tiles, ring)
         lse_h += stride_lh
         delta_h += stride_lh
-    if (ATOMIC_DQ > 0) and GROUP * n_tiles > 0:
-        ex.wait_empty(it0 + GROUP * n_tiles + 1)  # the other consumer has read this K for the last dQ
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence
         # K and V are no longer read: this consumer's buffers stage its dK and dV for the stores.
         k_c.store((dk * softmax_scale).to(dtype))
@@ -424,10 +361,9 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PT
 @gluon.jit
 def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s,
               sets, ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh,
-              stride_dvm, stride_dvh, ex, ds_s, DQ_ACC, stride_accm, HEAD_DIM: gl.constexpr,
-              HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr):
+              stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
     landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
@@ -448,15 +384,11 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
             else:
                 b = item.b
                 lse_off = b.to(gl.int64) * stride_lb + (item.hk * GROUP).to(gl.int64) * stride_lh
-            acc_item = DQ_ACC
-            if ATOMIC_DQ > 0:  # the sequence's first row of the (B, S, H, D) or packed (total, H, D) fp32 buffer
-                acc_item = DQ_ACC + (b.to(gl.int64) * item.seqlen_q + item.q_row0) * stride_accm
             _consume_item(c, sets.buffer(r, c), dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s,
                           q_s, q2_s, do_s, ring, b, item.hk, item.n_start, item.lo, item.n_front, item.n_mid,
                           item.n_tiles, lse_off, stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
-                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, ex, ds_s,
-                          acc_item, stride_accm, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT,
-                          MASK_RIGHT, MASK_CHUNK, IS_VARLEN, ATOMIC_DQ)
+                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             it0 += GROUP * item.n_tiles
         else:
             done = True
@@ -466,15 +398,15 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, DQ_ACC, TILES, CU_SEQLENS_Q,
+def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q,
                         CU_SEQLENS_K, COUNTER, qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32,
                         seqlen_q: gl.int32, seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
-                        stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_accm: gl.int32, n_items: gl.int32,
-                        heads: gl.int32, chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+                        stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items: gl.int32, heads: gl.int32,
+                        chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                        ATOMIC_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent
     dK/dV]; COUNTER the items handed out so far, 0 at launch). The six tensors are host descriptors. Dense: over
     (B, S, H, D), the items are B x Hk x the key tiles (hopper_common.dense_work_item, the first key tile first),
@@ -511,25 +443,18 @@ def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, D
         q2_s = tile_buffers(Q2, STAGES, BLOCK_M, HEAD_DIM_TAIL, IS_VARLEN)
     kv_free = barrier_array(4, 1)
     info = info_slots()
-    ds_s = q_s  # with ATOMIC_DQ: the consumers' dSᵀ, two positions deep (2 * slot + consumer), and its barriers
-    ex = Ring(kv_free, kv_free, 2)
-    if ATOMIC_DQ > 0:
-        gl.static_assert(HEAD_DIM_TAIL == 0, "dQ in the dK/dV kernel: one head-dim part")
-        ds_s = gl.allocate_shared_memory(Q.dtype, [4, BLOCK_N, BLOCK_M],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], Q.dtype))
-        ex = Ring(barrier_array(2, 2), barrier_array(2, 2), 2)
     held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
     sets = BufferSets(held, kv_free, info)
     ring = Ring(ready, empty, STAGES)
     gl.warp_specialize([
         (_consumer, (0, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
                      chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                     stride_dvh, ex, ds_s, DQ_ACC, stride_accm, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP,
-                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, ATOMIC_DQ)),
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
         (_consumer, (1, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
                      chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                     stride_dvh, ex, ds_s, DQ_ACC, stride_accm, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP,
-                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, ATOMIC_DQ)),
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
         (_loader, (Q, Q2, K, K2, V, DO, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, landed, COUNTER, TILES,
                    CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N,
                    HEAD_DIM, HEAD_DIM_TAIL, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),
