@@ -66,26 +66,6 @@ from .seqlen import DESC_PACKED, DESC_ROW, load_once, load_rows, row_desc, seq_i
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh, stride_lb,
-                      stride_lh, rows, seqlen, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """delta = rowsum(dO * O) in fp32, for a backward whose dQ the dK/dV kernel adds up (Note [dQ in the dK/dV
-    kernel] in hopper_bwd.py), where no dQ kernel computes it. One program per BLOCK rows of one head: `rows` of
-    them in all, B x S of a dense batch (seqlen S) or a varlen batch's packed total (seqlen the same total, batch
-    strides 0); delta is stored as the lse is laid out."""
-    h = tl.program_id(1)
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    b = (r // seqlen).to(tl.int64)
-    s = (r % seqlen).to(tl.int64)
-    cols = tl.arange(0, HEAD_DIM)
-    ok = r < rows
-    o = tl.load(O + (b * stride_ob + s * stride_om + h * stride_oh)[:, None] + cols[None, :], mask=ok[:, None],
-                other=0.0).to(tl.float32)
-    do = tl.load(DO + (b * stride_dob + s * stride_dom + h * stride_doh)[:, None] + cols[None, :],
-                 mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + b * stride_lb + h * stride_lh + s, tl.sum(o * do, 1), mask=ok)
-
-
-@triton.jit
 def _wait_delta(ready, rows):
     """Spin until the dQ programs have published `rows` delta rows through the counter `ready` (Note [delta
     handoff]); the acquire makes their stores visible to this program's later loads."""

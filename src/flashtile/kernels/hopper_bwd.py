@@ -60,7 +60,7 @@ from triton.language.core import _aggregate as aggregate
 
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
                             publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
-                            tma_reduce_add, tma_store, work_item, zero_rows_from)
+                            tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, chunk_start, q_block_range
 
 
@@ -219,8 +219,8 @@ def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h
           seqlen_q, qk_scale, edge, a_layout: gl.constexpr, a2_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
           HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
           MASK_CHUNK: gl.constexpr):
-    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dk2, dv, dsᵀ), dk2
-    the tail columns' (HEAD_DIM_TAIL; else passed through), dsᵀ for the dQ it adds up with ATOMIC_DQ. `edge`: the tile is at a masked end of the consumer's
+    """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dk2, dv), dk2 the
+    tail columns' (HEAD_DIM_TAIL; else passed through). `edge`: the tile is at a masked end of the consumer's
     range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
     slot = ring.slot(it)
@@ -258,65 +258,26 @@ def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h
     pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
-    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_t, dk, is_async=True)
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_t, dk, is_async=True)
     if HEAD_DIM_TAIL > 0:
-        dk2 = warpgroup_mma(gl.convert_layout(dst, a2_layout), q2_t, dk2, is_async=True)
+        dk2 = warpgroup_mma(gl.convert_layout(dst.to(dtype), a2_layout), q2_t, dk2, is_async=True)
         dk, dk2, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dk2, dv))
     else:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     ring.release(it)  # this consumer has read Q_i and dO_i
-    return dk, dk2, dv, dst
-
-
-@gluon.jit
-def _dq_step(dst, it, c: gl.constexpr, ex, dq_s, k_s, kv0, dqa_desc, b, row, h, dq_zero, softmax_scale,
-             HEAD_DIM: gl.constexpr, IS_VARLEN: gl.constexpr, DQ_DEBUG: gl.constexpr):
-    """With ATOMIC_DQ, this consumer's share of dQ_i = dS_i K for ring position it, query rows from `row` (Note [dQ
-    in the dK/dV kernel]): its dSᵀ (its BLOCK_N keys; zeros where it computed none) into its exchange buffer, then,
-    once the other's is there too, its half of dQ_i's columns over both consumers' keys, staged in its buffer once
-    both have read the dSᵀ there, and added to the fp32 dQ by a TMA reduction that runs on under what follows."""
-    BLOCK_N: gl.constexpr = dst.shape[0]
-    BLOCK_M: gl.constexpr = dst.shape[1]
-    HALF: gl.constexpr = HEAD_DIM // 2
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dst.dtype)
-    ds_own = dq_s.index(c)._reinterpret(dst.dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    if DQ_DEBUG != 3:
-        tma.store_wait(pendings=0)  # the last reduction (and dK/dV store) has read its shared memory
-    ds_own.store(dst)
-    fence_async_shared()
-    mbarrier.arrive(ex.ready_bar(it), count=1)
-    ex.wait_ready(it)
-    ds0 = dq_s.index(0)._reinterpret(dst.dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    ds1 = dq_s.index(1)._reinterpret(dst.dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    dq = warpgroup_mma(ds0.permute((1, 0)), k_s.index(kv0).reshape([BLOCK_N, HEAD_DIM]).slice(c * HALF, HALF, 1),
-                       dq_zero, use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds1.permute((1, 0)), k_s.index(kv0 + 1).reshape([BLOCK_N, HEAD_DIM]).slice(c * HALF, HALF, 1),
-                       dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    ex.release(it)
-    if DQ_DEBUG != 4:
-        ex.wait_empty(it + 1)  # both consumers have read both dSᵀ (and both K halves): the buffer is free
-    if DQ_DEBUG == 5:
-        return
-    stage = dq_s.index(c)
-    stage.reshape([BLOCK_M, HALF]).store(dq * softmax_scale)
-    fence_async_shared()
-    if DQ_DEBUG != 2:
-        tma_reduce_add(dqa_desc, b, row, h, stage, IS_VARLEN)
+    return dk, dk2, dv
 
 
 @gluon.jit
 def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s,
-                  q2_s, do_s, ring, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, q_row0, seqlen_q,
+                  q2_s, do_s, ring, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q,
                   seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-                  it0, ex, dq_s, dqa_desc, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  ATOMIC_DQ: gl.constexpr):
+                  it0, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
-    ring position it0. It leaves its dK/dV stores in flight. With ATOMIC_DQ it also adds its share of dQ to the
-    fp32 dQ through dqa_desc (_dq_step), over every query tile of the item, its own or not."""
+    ring position it0. It leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -364,41 +325,17 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PT
     own1 = gl.where(key0 < seqlen_k, own1, own0)
     front = gl.minimum(gl.maximum(n_front, own0), own1)  # the item's masked front and tail, within [own0, own1)
     mid = gl.minimum(gl.maximum(n_mid, front), own1)
-    HALF: gl.constexpr = HEAD_DIM // 2
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF, 16])
-    dq_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=dq_layout)  # with ATOMIC_DQ only
-    key_tail = key0 + BLOCK_N > seqlen_k  # keys past the sequence: their dSᵀ rows must not reach dQ
     for g in range(GROUP):
         base = it0 + g * n_tiles
-        if ATOMIC_DQ > 0:
-            # Every tile of the item, this consumer's own or not: the other consumer's dQ needs its dSᵀ (zeros).
-            for t in range(0, n_tiles):
-                m_start = lo + t * BLOCK_M
-                if (t >= own0) & (t < own1):
-                    edge = (t < front) | (t >= mid)
-                    dk, dk2, dv, dst = _tile(dk, dk2, dv, base + t, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s,
-                                             ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge,
-                                             a_layout, a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT,
-                                             MASK_RIGHT, MASK_CHUNK)
-                    if key_tail:
-                        dst = gl.where(gl.expand_dims(keys < seqlen_k, 1), dst, gl.zeros_like(dst))
-                else:
-                    pass_over(base + t, base + t + 1, ring)
-                    dst = st_zero.to(dtype)
-                _dq_step(dst, base + t, c, ex, dq_s, k_s, kv - c, dqa_desc, b, q_row0 + m_start, hk * GROUP + g,
-                         dq_zero, softmax_scale, HEAD_DIM, IS_VARLEN, ATOMIC_DQ)
-        else:
-            pass_over(base, base + own0, ring)
-            # One loop over the consumer's tiles; a tile at either masked end, [own0, front) or [mid, own1),
-            # applies the mask under a branch (Note [one loop per consumer]).
-            for t in range(own0, own1):
-                edge = (t < front) | (t >= mid)
-                dk, dk2, dv, dst = _tile(dk, dk2, dv, base + t, lo + t * BLOCK_M, k_c, k2_c, v_c, q_s, q2_s, do_s,
-                                         ring, lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge,
-                                         a_layout, a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT,
-                                         MASK_RIGHT, MASK_CHUNK)
-            pass_over(base + own1, base + n_tiles, ring)
+        pass_over(base, base + own0, ring)
+        # One loop over the consumer's tiles; a tile at either masked end, [own0, front) or [mid, own1), applies
+        # the mask under a branch (Note [one loop per consumer]).
+        for t in range(own0, own1):
+            edge = (t < front) | (t >= mid)
+            dk, dk2, dv = _tile(dk, dk2, dv, base + t, lo + t * BLOCK_M, k_c, k2_c, v_c, q_s, q2_s, do_s, ring,
+                                lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout,
+                                a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
+        pass_over(base + own1, base + n_tiles, ring)
         lse_h += stride_lh
         delta_h += stride_lh
     if key0 < seqlen_k:  # else no key of this consumer is in the sequence
@@ -424,10 +361,9 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PT
 @gluon.jit
 def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s,
               sets, ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh,
-              stride_dvm, stride_dvh, ex, dq_s, DQA, DQA2, HEAD_DIM: gl.constexpr,
-              HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr):
+              stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
     landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
@@ -450,10 +386,9 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
                 lse_off = b.to(gl.int64) * stride_lb + (item.hk * GROUP).to(gl.int64) * stride_lh
             _consume_item(c, sets.buffer(r, c), dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s,
                           q_s, q2_s, do_s, ring, b, item.hk, item.n_start, item.lo, item.n_front, item.n_mid,
-                          item.n_tiles, lse_off, stride_lh, item.k_row0, item.q_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
-                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, ex, dq_s,
-                          DQA if c == 0 else DQA2, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT,
-                          MASK_RIGHT, MASK_CHUNK, IS_VARLEN, ATOMIC_DQ)
+                          item.n_tiles, lse_off, stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
+                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             it0 += GROUP * item.n_tiles
         else:
             done = True
@@ -463,7 +398,7 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DQA, DQA2, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q,
+def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q,
                         CU_SEQLENS_K, COUNTER, qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32,
                         seqlen_q: gl.int32, seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
                         stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items: gl.int32, heads: gl.int32,
@@ -471,7 +406,7 @@ def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DQA, DQA2, DK_PTR, DV_
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                        ATOMIC_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent
     dK/dV]; COUNTER the items handed out so far, 0 at launch). The six tensors are host descriptors. Dense: over
     (B, S, H, D), the items are B x Hk x the key tiles (hopper_common.dense_work_item, the first key tile first),
@@ -508,24 +443,18 @@ def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DQA, DQA2, DK_PTR, DV_
         q2_s = tile_buffers(Q2, STAGES, BLOCK_M, HEAD_DIM_TAIL, IS_VARLEN)
     kv_free = barrier_array(4, 1)
     info = info_slots()
-    dq_s = q_s  # with ATOMIC_DQ: each consumer's dSᵀ, then its dQ half (_dq_step), and their barriers
-    ex = Ring(kv_free, kv_free, 1)
-    if ATOMIC_DQ > 0:
-        gl.static_assert(HEAD_DIM_TAIL == 0, "dQ in the dK/dV kernel: one head-dim part")
-        dq_s = tile_buffers(DQA, 2, BLOCK_M, HEAD_DIM // 2, IS_VARLEN)
-        ex = Ring(barrier_array(1, 2), barrier_array(1, 2), 1)
     held, ready, empty = ring_barriers(STAGES, 4)  # its fence covers the barriers above too
     sets = BufferSets(held, kv_free, info)
     ring = Ring(ready, empty, STAGES)
     gl.warp_specialize([
         (_consumer, (0, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
                      chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                     stride_dvh, ex, dq_s, DQA, DQA2, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP,
-                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, ATOMIC_DQ)),
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
         (_consumer, (1, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
                      chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
-                     stride_dvh, ex, dq_s, DQA, DQA2, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP,
-                     MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, ATOMIC_DQ)),
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
         (_loader, (Q, Q2, K, K2, V, DO, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, landed, COUNTER, TILES,
                    CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N,
                    HEAD_DIM, HEAD_DIM_TAIL, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),

@@ -26,8 +26,6 @@ import inspect
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
-from triton._C.libtriton import ir
-from triton.language.core import _unwrap_if_constexpr as _unwrap
 from triton.language.core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
@@ -249,17 +247,6 @@ def tma_store(desc, b, row, h, src, IS_VARLEN: gl.constexpr):
         tma.async_copy_shared_to_global(desc, [row, h, 0], src)
     else:
         tma.async_copy_shared_to_global(desc, [b, row, h, 0], src)
-
-
-@builtin
-def tma_reduce_add(desc, b, row, h, src, IS_VARLEN, _semantic=None):
-    """Add src to the box at (sequence b, row, head h) of desc's tensor, elementwise, by a TMA reduction
-    (cp.reduce.async.bulk.tensor ... .add): asynchronous, as tma_store, and tma.store_wait covers it. Gluon's
-    Hopper TMA module has no such call; its builder has the operation (ttng.async_tma_reduce). Rows past the
-    tensor are dropped."""
-    coord = [row, h, 0] if _unwrap(IS_VARLEN) else [b, row, h, 0]
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @gluon.jit

@@ -33,10 +33,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from ..config import block_d, tile_config
-from ..kernels.bwd import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+from ..kernels.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel
 from ..kernels.seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW
 from ..problem import kernel_flags
 from .call import op_problem
@@ -46,7 +45,7 @@ from .schedule import Plan, list_blocks, plan_lists, schedule_step, tile_grid, v
 from .fwd import HOST_DESCRIPTOR_MAX_D, HOST_DESCRIPTORS, logit_scales, lse_strides
 from . import hopper
 from .hopper import HOPPER_PATH, TRITON, record
-from .launch import Static, StaticByName, head_dims, keep_scratch, launch, launch_named, prepare_launch
+from .launch import Static, head_dims, keep_scratch, launch, prepare_launch
 
 
 _DQ_BLOCKS = descriptor_blocks({"K": ("BLOCK_N", "BLOCK_D"), "V": ("BLOCK_N", "BLOCK_DV")})
@@ -206,15 +205,6 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
                lambda: static("bwd_dkdv"), pdl=pdl, dropout=dropout, head_dim_v=p.head_dim_v)
         record("bwd_dkdv", TRITON)
 
-    if dkdv_gluon and _atomic_dq(p):
-        _delta(out, dout, delta, lse, varlen)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                        cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk, dq_acc=dq_acc, key=key)
-        dq.copy_(dq_acc)
-        record("bwd_dq", HOPPER_PATH)
-        record("bwd_dkdv", HOPPER_PATH)
-        return grads, delta
     if dq_gluon:
         hopper.bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale, softmax_scale, window_left, window_right,
                       cu_seqlens_q, cu_seqlens_k, plan, p.attention_chunk, p.rng, p.dropout_p, key=key)
@@ -236,28 +226,6 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         record("bwd_dq", TRITON)
         triton_dkdv()
     return grads, delta
-
-
-def _atomic_dq(p) -> bool:
-    import os
-    return os.environ.get("FLASHTILE_ATOMIC_DQ") == "1" and p.dropout_p == 0.0 and p.head_dim == p.head_dim_v
-
-
-def _delta(out, dout, delta, lse, varlen: bool) -> None:
-    """delta = rowsum(dout * out) into delta (lse's layout), for the dK/dV kernel that adds dQ up itself."""
-    nheads, head_dim = out.shape[-2:]
-    rows = out.shape[0] * (1 if varlen else out.shape[1])
-    seqlen = out.shape[0] if varlen else out.shape[1]
-    block = 64
-
-    def statics() -> StaticByName:
-        names = ("stride_ob", "stride_om", "stride_oh", "stride_dob", "stride_dom", "stride_doh", "stride_lb",
-                 "stride_lh", "rows", "seqlen")
-        values = (*bmh_strides(out, varlen), *bmh_strides(dout, varlen), *lse_strides(lse, varlen), rows, seqlen)
-        return StaticByName((triton.cdiv(rows, block), nheads, 1), dict(zip(names, values)),
-                            dict(HEAD_DIM=head_dim, BLOCK=block))
-
-    launch_named(_bwd_delta_kernel, dict(O=out, DO=dout, DELTA=delta), statics, num_warps=4)
 
 
 @attention_bwd.register_fake

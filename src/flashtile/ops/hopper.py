@@ -40,7 +40,6 @@ sequence, which they store by pointer under a row mask (hopper_common.store_rows
 from __future__ import annotations
 
 import functools
-import os
 import logging
 import operator
 from typing import Optional
@@ -162,7 +161,7 @@ def last_kernel_paths() -> dict[str, str]:
     return dict(_LAST)
 
 
-_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @functools.cache
@@ -344,14 +343,11 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
              window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
-             attention_chunk: int = 0, dq_acc: Optional[torch.Tensor] = None, key: Optional[tuple] = None) -> None:
-    """dk and dv of a problem that hopper_unsupported accepts, from delta (the dQ kernel's, or
-    kernels/bwd._bwd_delta_kernel's); varlen with a plan of the key side holding the first-first list of 2 x
-    BLOCK_N-row key tiles (ops/bwd.py). dq_acc: None, or a zeroed contiguous fp32 tensor of q's shape to which the
-    kernel adds dQ (Note [dQ in the dK/dV kernel] in kernels/hopper_bwd.py). key: as fwd's."""
+             attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
+    """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with a
+    plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py). key: as fwd's."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
-    atomic = dq_acc is not None
-    cfg = HOPPER["bwd_dkdv_dq" if atomic else "bwd_dkdv"][head_dim]
+    cfg = HOPPER["bwd_dkdv"][head_dim]
     first, tail = head_dim_parts(head_dim)
     varlen = cu_seqlens_q is not None
     programs = sm_count(q.device)
@@ -375,21 +371,16 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                           n_items=n_items, heads=nheads_kv)
         return StaticByName(_persistent_grid(n_items, programs), static,
                             dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
-                                 HEAD_DIM_TAIL=tail, ATOMIC_DQ=1 + int(os.environ.get('FLASHTILE_DQ_DEBUG', '0')) if atomic else 0))
+                                 HEAD_DIM_TAIL=tail))
 
-    key = None if key is None else (key, programs, 3 + int(os.environ.get('FLASHTILE_DQ_DEBUG', '0')) if atomic else 1)
+    key = None if key is None else (key, programs, 1)
     Q, Q2, K, K2, V, DO, DK, DK2, DV = _part_descs(key, first, tail, ((q, cfg.block_m), (k, cfg.block_n),
                                                                       (v, cfg.block_n), (dout, cfg.block_m),
                                                                       (dk, cfg.block_n), (dv, cfg.block_n)),
                                                    split=(0, 1, 4))
-    DQA = DQA2 = None
-    if atomic:  # its two halves' descriptors, one per consumer (Note [dQ in the dK/dV kernel])
-        DQA, DQA2 = _part_descs(None if key is None else (*key, "dq"), head_dim // 2, head_dim // 2,
-                                ((dq_acc, cfg.block_m),), split=(0,))
     dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DK=DK, DK2=DK2, DV=DV, DK_PTR=dk if varlen else None,
                    DV_PTR=dv if varlen else None,
-                   DQA=DQA, DQA2=DQA2, LSE=lse, DELTA=delta, TILES=plan.first_first if varlen else None,
-                   CU_SEQLENS_Q=cu_seqlens_q,
+                   LSE=lse, DELTA=delta, TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else dense_counter(q.device, 1),
                    qk_scale=qk_scale, softmax_scale=softmax_scale)
     launch_named(_hopper_dkdv_kernel, dynamic, statics, num_warps=4, key=key)
