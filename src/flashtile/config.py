@@ -168,7 +168,6 @@ _HOPPER_DQ = ("the Gluon dQ's tile (BLOCK_N = BLOCK_M: the consumers' ranges dif
 _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k/16k; 3 faster at 1k and 16k, "
                 "even at 4k, 1.5% slower at 1k causal")
 
-_HOPPER_DKDV_DROPOUT = ("the dK/dV tile with dropout (Note [dropout in the transposed tile] in kernels/hopper_bwd.py)")
 _HOPPER_FWD_MLA = ("q/k 192 (128 + 64) with v 128: 2 stages, the one depth whose buffers fit shared memory (two Q "
                    "sets of 4 x 24 KiB, 1 K slot of 48, 2 V slots of 32: 208 KiB)")
 _HOPPER_BWD_MLA = ("q/k 192 (128 + 64) with v 128: the streamed tiles halved (dQ's key blocks, dK/dV's query tiles) "
@@ -182,7 +181,6 @@ HOPPER: dict[str, dict[int, HopperConfig]] = {
     "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV),
                  192: HopperConfig(32, 64, 3, source=_HOPPER_BWD_MLA)},
     "bwd_dq": {128: HopperConfig(64, 64, 3, source=_HOPPER_DQ), 192: HopperConfig(64, 32, 3, source=_HOPPER_BWD_MLA)},
-    "bwd_dkdv_dropout": {128: HopperConfig(64, 64, 2, source=_HOPPER_DKDV_DROPOUT)},
 }
 
 

@@ -52,7 +52,6 @@ Scope (ops/hopper.py): dense and varlen batches, fp16/bf16, D 128 and q/k 192 wi
 softcap, ALiBi, seqused.
 """
 
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -62,7 +61,6 @@ from triton.language.core import _aggregate as aggregate
 from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
                             publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
                             tma_store, work_item, zero_rows_from)
-from .dropout import PHILOX_ROUNDS, dropout_state
 from .masking import LOG2E, chunk_start, q_block_range
 
 
@@ -143,9 +141,8 @@ class _Item:
     """One work item as the persistent loader describes it to the consumers, in publish_item's field order
     (hopper_common): `valid` (false for the first item past the list, which ends the program), the KV head, the
     item's first key row in its sequence, where the sequence's queries and keys start in the packed tensors, both
-    lengths, its query tiles (_query_tiles: the first one's row, the front and middle counts, how many), and its
-    sequence (a dense batch's TMA coordinate; a varlen item's rows place it, and its number keys the dropout
-    mask)."""
+    lengths, its query tiles (_query_tiles: the first one's row, the front and middle counts, how many), and a
+    dense batch's sequence (a varlen item's rows place it)."""
     valid: gl.tensor
     hk: gl.tensor
     n_start: gl.tensor
@@ -193,7 +190,7 @@ def _loader(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, k_s, k2_s, v_s, q
                                                                     CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k,
                                                                     2 * BLOCK_N, False, True)
             valid = valid & (w < n_items)
-            b_field = b  # the sequence, which the dropout mask takes (its rows place its tiles)
+            b_field = 0
         else:
             # Under a causal mask the first key tiles see the most queries: first first.
             b, hk, pid_n = dense_work_item(gl.minimum(w, n_items - 1), heads, seqlen_k, 2 * BLOCK_N, False)
@@ -218,47 +215,13 @@ def _loader(q_desc, q2_desc, k_desc, k2_desc, v_desc, do_desc, k_s, k2_s, v_s, q
 
 
 @gluon.jit
-def _word_keep(word, threshold):
-    """Whether each of a Philox word's four 8-bit numbers reaches threshold, as int8, joined (e, s): byte 2 s + e."""
-    b0 = ((word & 0xFF).to(gl.int32) >= threshold).to(gl.int8)
-    b1 = (((word >> 8) & 0xFF).to(gl.int32) >= threshold).to(gl.int8)
-    b2 = (((word >> 16) & 0xFF).to(gl.int32) >= threshold).to(gl.int8)
-    b3 = (((word >> 24) & 0xFF).to(gl.int32) >= threshold).to(gl.int8)
-    return gl.join(gl.join(b0, b1), gl.join(b2, b3))
-
-
-@gluon.jit
-def _keep_t(seed, stream, bh, threshold, m_start, key0, ref):
-    """Which entries of the tile Pᵀ (ref's shape and layout: BLOCK_N keys from key0, BLOCK_M queries from m_start)
-    survive dropout, as int8, 1 where kept (Note [dropout in the transposed tile]). key0: a multiple of 64; bh:
-    b * H + h."""
-    BLOCK_N: gl.constexpr = ref.shape[0]
-    BLOCK_M: gl.constexpr = ref.shape[1]
-    layout: gl.constexpr = ref.type.layout
-    gl.static_assert(BLOCK_N == 64, "a consumer's keys are one 64-key unit of the mask")
-    gen: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])  # (queries, call % 4): two calls a thread
-    qi = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gen))
-    ci = 4 * (key0 // 64) + gl.arange(0, 4, layout=gl.SliceLayout(0, gen))
-    zero = gl.zeros([BLOCK_M, 4], gl.int32, layout=gen)
-    r0, r1, r2, r3 = tl.philox(seed, gl.expand_dims(ci, 0) + zero, gl.expand_dims(qi, 1) + zero, bh + zero,
-                               stream + zero, PHILOX_ROUNDS)
-    # Key 8g + 2c + e of the unit takes byte 2 * (g % 2) + e of word g // 2 of call c (Note [dropout mask]); with
-    # g = 4 w1 + 2 w0 + s, the joins build (query, c, e, s, w0, w1).
-    keep = gl.join(gl.join(_word_keep(r0, threshold), _word_keep(r1, threshold)),
-                   gl.join(_word_keep(r2, threshold), _word_keep(r3, threshold)))
-    keep = gl.reshape(gl.permute(keep, [5, 4, 3, 1, 2, 0]), [BLOCK_N, BLOCK_M])  # key = 8 g + 2 c + e
-    return gl.convert_layout(keep, layout)
-
-
-@gluon.jit
 def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h, delta_h, kr, kl, offs_m, st_zero,
-          seqlen_q, qk_scale, edge, drop, drop_scale, key0, a_layout: gl.constexpr, a2_layout: gl.constexpr,
-          HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr,
-          MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+          seqlen_q, qk_scale, edge, a_layout: gl.constexpr, a2_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+          HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+          MASK_CHUNK: gl.constexpr):
     """One query tile of a consumer's loop (the schedule in the module docstring); returns (dk, dk2, dv), dk2 the
     tail columns' (HEAD_DIM_TAIL; else passed through). `edge`: the tile is at a masked end of the consumer's
-    range, where some (query, key) pair is not visible. drop: (seed, stream, b * H + h, threshold) of the dropout
-    mask (HAS_DROPOUT), whose survivors are scaled by drop_scale; key0: the consumer's first key."""
+    range, where some (query, key) pair is not visible."""
     dtype: gl.constexpr = q_s.dtype
     slot = ring.slot(it)
     ring.wait_ready(it)
@@ -293,16 +256,9 @@ def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h
                 visible = visible & (qi <= gl.expand_dims(kl - m_start, 1))
             s2 = gl.where(visible, s2, float("-inf"))
     pt = gl.exp2(s2 - gl.expand_dims(lse2, 0))
-    if HAS_DROPOUT:  # dV takes (P ∘ Z)ᵀ and dPᵀ = Zᵀ ∘ (V dOᵀ), as kernels/bwd.py
-        seed, stream, bh, threshold = drop
-        zt = gl.where(_keep_t(seed, stream, bh, threshold, m_start, key0, st_zero) != 0, drop_scale, 0.0)
-        dv = warpgroup_mma(gl.convert_layout((pt * zt).to(dtype), a_layout), do_t, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
-        dst = pt * (dpt * zt - gl.expand_dims(delta, 0))
-    else:
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
     dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_t, dk, is_async=True)
     if HEAD_DIM_TAIL > 0:
         dk2 = warpgroup_mma(gl.convert_layout(dst.to(dtype), a2_layout), q2_t, dk2, is_async=True)
@@ -317,10 +273,9 @@ def _tile(dk, dk2, dv, it, m_start, k_c, k2_c, v_c, q_s, q2_s, do_s, ring, lse_h
 def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s,
                   q2_s, do_s, ring, b, hk, n_start, lo, n_front, n_mid, n_tiles, lse_off, stride_lh, k_row0, seqlen_q,
                   seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-                  it0, drop, drop_scale, seq, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                  HAS_DROPOUT: gl.constexpr):
+                  it0, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Consumer c's BLOCK_N keys of one work item, its K and V in buffers kv (landed), whose query tiles start at
     ring position it0. It leaves its dK/dV stores in flight."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -377,12 +332,9 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PT
         # the mask under a branch (Note [one loop per consumer]).
         for t in range(own0, own1):
             edge = (t < front) | (t >= mid)
-            seed, stream, heads, threshold = drop
             dk, dk2, dv = _tile(dk, dk2, dv, base + t, lo + t * BLOCK_M, k_c, k2_c, v_c, q_s, q2_s, do_s, ring,
-                                lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge,
-                                (seed, stream, seq * heads + hk * GROUP + g, threshold), drop_scale, key0, a_layout,
-                                a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                                HAS_DROPOUT)
+                                lse_h, delta_h, kr, kl, offs_m, st_zero, seqlen_q, qk_scale, edge, a_layout,
+                                a2_layout, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, MASK_LEFT, MASK_RIGHT, MASK_CHUNK)
         pass_over(base + own1, base + n_tiles, ring)
         lse_h += stride_lh
         delta_h += stride_lh
@@ -407,19 +359,15 @@ def _consume_item(c: gl.constexpr, kv, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PT
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, RNG, k_s, k2_s, v_s, q_s, q2_s,
-              do_s, sets, ring, wl, wr, chunk, qk_scale, softmax_scale, dropout_p, stride_lb, stride_lh, stride_dkm,
-              stride_dkh, stride_dvm, stride_dvh, heads, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-              HAS_DROPOUT: gl.constexpr):
+def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s,
+              sets, ring, wl, wr, chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh,
+              stride_dvm, stride_dvh, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th
     in its set of K and V buffers: hopper_common.BufferSets), until one is invalid. Once an item's K and V have
     landed, it waits for the previous item's dK/dV stores to have read their staging buffers (the other set) and
     hands that set back."""
-    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
-    if HAS_DROPOUT:
-        seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
     it0 = 0
     r = 0
     done = False
@@ -439,9 +387,8 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
             _consume_item(c, sets.buffer(r, c), dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s,
                           q_s, q2_s, do_s, ring, b, item.hk, item.n_start, item.lo, item.n_front, item.n_mid,
                           item.n_tiles, lse_off, stride_lh, item.k_row0, item.seqlen_q, item.seqlen_k, wl, wr, chunk,
-                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0,
-                          (seed, stream, heads * GROUP, threshold), drop_scale, item.b, HEAD_DIM, HEAD_DIM_TAIL,
-                          BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_DROPOUT)
+                          qk_scale, softmax_scale, stride_dkm, stride_dkh, stride_dvm, stride_dvh, it0, HEAD_DIM,
+                          HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)
             it0 += GROUP * item.n_tiles
         else:
             done = True
@@ -451,15 +398,15 @@ def _consumer(c: gl.constexpr, dk_desc, dk2_desc, dv_desc, DK_PTR, DV_PTR, LSE, 
 
 # Parameters: the per-call ones (descriptors, pointers, float scalars) first, then the integers, then constexprs.
 @gluon.jit
-def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, RNG, TILES, CU_SEQLENS_Q,
-                        CU_SEQLENS_K, COUNTER, qk_scale, softmax_scale, dropout_p, stride_lb: gl.int32, stride_lh: gl.int32,
+def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, TILES, CU_SEQLENS_Q,
+                        CU_SEQLENS_K, COUNTER, qk_scale, softmax_scale, stride_lb: gl.int32, stride_lh: gl.int32,
                         seqlen_q: gl.int32, seqlen_k: gl.int32, wl: gl.int32, wr: gl.int32,
                         stride_dkm, stride_dkh, stride_dvm, stride_dvh, n_items: gl.int32, heads: gl.int32,
                         chunk: gl.int32, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, GROUP: gl.constexpr, MASK_LEFT: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, MASK_CHUNK: gl.constexpr, IS_VARLEN: gl.constexpr,
-                        HAS_DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """The grid is one program per SM (at most n_items), persistent over n_items work items (Note [persistent
     dK/dV]; COUNTER the items handed out so far, 0 at launch). The six tensors are host descriptors. Dense: over
     (B, S, H, D), the items are B x Hk x the key tiles (hopper_common.dense_work_item, the first key tile first),
@@ -500,14 +447,14 @@ def _hopper_dkdv_kernel(Q, Q2, K, K2, V, DO, DK, DK2, DV, DK_PTR, DV_PTR, LSE, D
     sets = BufferSets(held, kv_free, info)
     ring = Ring(ready, empty, STAGES)
     gl.warp_specialize([
-        (_consumer, (0, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, RNG, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring,
-                     wl, wr, chunk, qk_scale, softmax_scale, dropout_p, stride_lb, stride_lh, stride_dkm, stride_dkh,
-                     stride_dvm, stride_dvh, heads, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT,
-                     MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_DROPOUT)),
-        (_consumer, (1, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, RNG, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring,
-                     wl, wr, chunk, qk_scale, softmax_scale, dropout_p, stride_lb, stride_lh, stride_dkm, stride_dkh,
-                     stride_dvm, stride_dvh, heads, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT,
-                     MASK_RIGHT, MASK_CHUNK, IS_VARLEN, HAS_DROPOUT)),
+        (_consumer, (0, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
+                     chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
+        (_consumer, (1, DK, DK2, DV, DK_PTR, DV_PTR, LSE, DELTA, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, wl, wr,
+                     chunk, qk_scale, softmax_scale, stride_lb, stride_lh, stride_dkm, stride_dkh, stride_dvm,
+                     stride_dvh, HEAD_DIM, HEAD_DIM_TAIL, BLOCK_M, BLOCK_N, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
+                     IS_VARLEN)),
         (_loader, (Q, Q2, K, K2, V, DO, k_s, k2_s, v_s, q_s, q2_s, do_s, sets, ring, landed, COUNTER, TILES,
                    CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q, seqlen_k, wl, wr, chunk, n_items, heads, BLOCK_M, BLOCK_N,
                    HEAD_DIM, HEAD_DIM_TAIL, GROUP, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, IS_VARLEN)),

@@ -211,7 +211,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         record("bwd_dq", HOPPER_PATH)
         if dkdv_gluon:
             hopper.bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale, softmax_scale, window_left, window_right,
-                            cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk, p.rng, p.dropout_p, key=key)
+                            cu_seqlens_q, cu_seqlens_k, plan_k, p.attention_chunk, key=key)
             record("bwd_dkdv", HOPPER_PATH)
         else:
             triton_dkdv()

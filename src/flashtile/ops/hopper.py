@@ -110,9 +110,8 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
                        (softcap > 0.0, "softcap"), (alibi, "ALiBi")):
         if cond:
             return f"{what}: not in the Gluon kernels"
-    if dropout and kernel == "bwd_dkdv" and head_dim not in HOPPER["bwd_dkdv_dropout"]:
-        return (f"dropout at q/k head dim {head_dim}: the Gluon dK/dV kernel takes it at "
-                + ", ".join(map(str, HOPPER["bwd_dkdv_dropout"])) + " (Note [dropout on the Gluon path] in ops/hopper.py)")
+    if dropout and kernel == "bwd_dkdv":
+        return "dropout: not in the Gluon dK/dV kernel (Note [dropout on the Gluon path] in ops/hopper.py)"
     if dropout and right_mask and kernel == "fwd":
         return ("dropout with a causal or right-window mask: the Triton forward is the faster one there (Note "
                 "[dropout on the Gluon path] in ops/hopper.py)")
@@ -344,13 +343,11 @@ def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: f
 
 def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,
              window_right: int, cu_seqlens_q=None, cu_seqlens_k=None, plan: Optional[Plan] = None,
-             attention_chunk: int = 0, rng: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-             key: Optional[tuple] = None) -> None:
+             attention_chunk: int = 0, key: Optional[tuple] = None) -> None:
     """dk and dv of a problem that hopper_unsupported accepts, from the delta the dQ kernel wrote; varlen with a
-    plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py); rng: the
-    forward's seed and stream when dropout_p > 0. key: as fwd's."""
+    plan of the key side holding the first-first list of 2 x BLOCK_N-row key tiles (ops/bwd.py). key: as fwd's."""
     head_dim, nheads_kv = q.shape[-1], k.shape[-2]
-    cfg = HOPPER["bwd_dkdv_dropout" if dropout_p > 0.0 else "bwd_dkdv"][head_dim]
+    cfg = HOPPER["bwd_dkdv"][head_dim]
     first, tail = head_dim_parts(head_dim)
     varlen = cu_seqlens_q is not None
     programs = sm_count(q.device)
@@ -374,7 +371,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                           n_items=n_items, heads=nheads_kv)
         return StaticByName(_persistent_grid(n_items, programs), static,
                             dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
-                                 HEAD_DIM_TAIL=tail, HAS_DROPOUT=dropout_p > 0.0))
+                                 HEAD_DIM_TAIL=tail))
 
     key = None if key is None else (key, programs, 1)
     Q, Q2, K, K2, V, DO, DK, DK2, DV = _part_descs(key, first, tail, ((q, cfg.block_m), (k, cfg.block_n),
@@ -383,8 +380,7 @@ def bwd_dkdv(q, k, v, dout, dk, dv, lse, delta, qk_scale: float, softmax_scale: 
                                                    split=(0, 1, 4))
     dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, DO=DO, DK=DK, DK2=DK2, DV=DV, DK_PTR=dk if varlen else None,
                    DV_PTR=dv if varlen else None,
-                   LSE=lse, DELTA=delta, RNG=rng, TILES=plan.first_first if varlen else None,
-                   CU_SEQLENS_Q=cu_seqlens_q,
+                   LSE=lse, DELTA=delta, TILES=plan.first_first if varlen else None, CU_SEQLENS_Q=cu_seqlens_q,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[1] if varlen else dense_counter(q.device, 1),
-                   qk_scale=qk_scale, softmax_scale=softmax_scale, dropout_p=dropout_p)
+                   qk_scale=qk_scale, softmax_scale=softmax_scale)
     launch_named(_hopper_dkdv_kernel, dynamic, statics, num_warps=4, key=key)
