@@ -201,7 +201,15 @@ def scenarios():
             ("d128 dropout", lambda: dense(128, BF16, h=4, hk=4, dropout_p=0.1)),
             ("d128 dropout window sink", lambda: dense(128, BF16, window_size=(40, -1), dropout_p=0.1,
                                                        learnable_sink=torch.rand(4))),
-            ("d128 varlen dropout window", lambda: varlen(128, BF16, window_size=(40, -1), dropout_p=0.1))]
+            ("d128 varlen dropout window", lambda: varlen(128, BF16, window_size=(40, -1), dropout_p=0.1)),
+            # d512's Gluon forward, whose consumers split the columns (kernels/hopper_fwd_wide.py).
+            ("d512 varlen window sink", lambda: varlen(512, BF16, window_size=(40, 8), learnable_sink=torch.rand(4),
+                                                       backward=False)),
+            ("d512 chunk causal sink", lambda: dense(512, BF16, causal=True, attention_chunk=48,
+                                                     learnable_sink=torch.rand(4), backward=False)),
+            ("d512 dropout", lambda: dense(512, BF16, h=4, hk=4, dropout_p=0.1, backward=False)),
+            ("d512 varlen dropout chunk", lambda: varlen(512, BF16, attention_chunk=48, dropout_p=0.1,
+                                                         backward=False))]
     # head_dim_v != head_dim: MLA prefill (192, 128) on the Gluon forward's variants and with every feature
     # (config.NARROW_V's tiles), the pair (128, 64), v wider than q/k, and paged.
     out += [("d192 v128 causal", lambda: dense(192, BF16, dv=128, causal=True)),

@@ -10,6 +10,7 @@ import torch
 import flashtile
 from flashtile.testing import attention_ref, check_attention, check_close, nan_guarded
 from test_chunked import chunk_case, chunk_varlen_case
+from test_head_dim_512 import varlen_case
 from test_head_dim_v import dv_case, dv_varlen_case
 from test_sinks import sink_case, sink_varlen_case
 
@@ -109,6 +110,29 @@ def test_mla_prefill_on_the_hopper_kernels(device, case):
 @pytest.mark.parametrize("head_dim", [512, 448])
 def test_head_dim_512(device, head_dim):
     _case(device, 900, 2, 1, head_dim, causal=True)
+
+
+@pytest.mark.parametrize("case", ["none", "window-sink", "chunk", "fp16-varlen"])
+def test_head_dim_512_gluon_forward(device, case):
+    """d512 on the Gluon forward whose consumers split the columns (kernels/hopper_fwd_wide.py) at lengths that end
+    inside key blocks and query tiles: no mask over 1000 x 1300 keys, GQA 4/2, a window with a sink, chunks under
+    a causal mask, fp16 varlen; the backward runs the Triton kernels."""
+    if case == "fp16-varlen":
+        varlen_case(device, [700, 1, 333, 129], 4, seed=5)
+    elif case == "none":
+        g = torch.Generator().manual_seed(2)
+        q = nan_guarded((2, 1000, 4, 512), torch.bfloat16, device, g)
+        k, v = (nan_guarded((2, 1300, 2, 512), torch.bfloat16, device, g) for _ in range(2))
+        dout = torch.randn(2, 1000, 4, 512, generator=g).to(device, torch.bfloat16)
+        check_attention(q, k, v, dout)
+    else:
+        sink = torch.randn(4, generator=torch.Generator().manual_seed(3)).to(device)
+        kw = dict(window_size=(200, 30), learnable_sink=sink) if case == "window-sink" else dict(
+            causal=True, attention_chunk=192)
+        _case(device, 777, 4, 2, 512, **kw)
+    if flashtile.kernel_paths(*(torch.empty(1, 1, 4, 512, device=device, dtype=torch.bfloat16)
+                                for _ in range(3)))["fwd"] == "gluon-sm90":
+        assert flashtile.last_kernel_paths()["fwd"] == "gluon-sm90"
 
 
 def test_absorbed_mla_decode(device):

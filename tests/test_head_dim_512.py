@@ -50,12 +50,14 @@ def test_v_parts_read_their_head(device):
 
 
 def test_v_parts_launch(monkeypatch):
-    """Which forwards split V (16-bit inputs with v 512 wide) and the grid that gives them: two programs per
-    (query tile, head), each seeing a part's head dim."""
+    """Which Triton forwards split V (16-bit inputs with v 512 wide) and the grid that gives them: two programs per
+    (query tile, head), each seeing a part's head dim. The Hopper path is off, as on a GPU other than sm_90 (on
+    one, q/k/v 512 runs the Gluon forward: test_hopper.py)."""
     from flashtile import env
     from flashtile.ops.launch import capture_launches
 
     monkeypatch.setattr(env, "INTERPRET", False)
+    monkeypatch.setenv("FLASHTILE_HOPPER", "0")
     for dtype, dv, parts in ((torch.float16, 512, 2), (torch.bfloat16, 512, 2), (torch.float32, 512, 1),
                              (torch.float16, 256, 1), (torch.float16, 448, 1)):
         q, k = (torch.randn(2, 70, 3, 512).to(dtype) for _ in range(2))
@@ -68,11 +70,13 @@ def test_v_parts_launch(monkeypatch):
         assert launch.grid[1:] == (3 * parts, 2), (dtype, dv)
 
 
-def test_paged_v_parts(device):
+def test_paged_v_parts(device, monkeypatch):
     """A paged varlen prefill at d512: the parts gather V's rows by pointer (kernels/fwd.py, PAGED), each its half
-    of the columns, from a NaN-filled cache whose pages come in random order."""
+    of the columns, from a NaN-filled cache whose pages come in random order; bitwise the Triton forward over the
+    contiguous tensors (on sm_90 these run the Gluon forward unless the Hopper path is off)."""
     from test_varlen import paginate
 
+    monkeypatch.setenv("FLASHTILE_HOPPER", "0")
     lens = [9, 1, 37]
     q, k, v, _, cu, _ = varlen_inputs(device, lens, lens, nheads=2, nheads_kv=1, head_dim=512, seed=8)
     want = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
@@ -83,9 +87,14 @@ def test_paged_v_parts(device):
 
 
 def test_varlen(device):
-    lens = [9, 1, 37]
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (nan_guarded((sum(lens), 2, 512), torch.float16, device, g) for _ in range(3))
+    varlen_case(device, [9, 1, 37], 2, seed=4)
+
+
+def varlen_case(device, lens, nheads, seed):
+    """A causal fp16 d512 varlen forward over sequences of `lens` against the fp64 reference, sequence by
+    sequence."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (nan_guarded((sum(lens), nheads, 512), torch.float16, device, g) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
     for b in range(len(lens)):

@@ -264,6 +264,16 @@ def test_descriptor_fields_under_a_launch_key_are_checked(monkeypatch):
         hopper._descs(key, (b, 64))
 
 
+def _capture_inputs(varlen, head_dim, head_dim_v=None):
+    """bf16 q, k, v requiring grad for the capture tests: dense (2, 150, 4, d), or packed (300, 4, d) with
+    cu_seqlens of three sequences (100, 37, 163 rows); (q, k, v, cu)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (300, 4) if varlen else (2, 150, 4)
+    q, k, v = (torch.randn(*shape, d, generator=g).to(torch.bfloat16).requires_grad_()
+               for d in (head_dim, head_dim, head_dim_v or head_dim))
+    return q, k, v, torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+
+
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_mla_prefill_reads_q_and_k_in_two_parts(monkeypatch, varlen):
@@ -274,11 +284,7 @@ def test_mla_prefill_reads_q_and_k_in_two_parts(monkeypatch, varlen):
     from flashtile.ops.launch import capture_launches
 
     monkeypatch.setattr(env, "INTERPRET", False)
-    g = torch.Generator().manual_seed(0)
-    shape = (300, 4) if varlen else (2, 150, 4)
-    q, k = (torch.randn(*shape, 192, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
-    v = torch.randn(*shape, 128, generator=g).to(torch.bfloat16).requires_grad_()
-    cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+    q, k, v, cu = _capture_inputs(varlen, 192, 128)
     with capture_launches() as launches:
         if varlen:
             out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, causal=True)
@@ -301,10 +307,46 @@ def test_mla_prefill_reads_q_and_k_in_two_parts(monkeypatch, varlen):
             assert b.data_ptr() - a.data_ptr() == 128 * 2 and a.stride() == b.stride(), name
 
 
+@pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_head_dim_512_splits_columns_on_the_gluon_forward(monkeypatch, varlen):
+    """q, k, v 512 in 16-bit inputs on an sm_90 GPU run the Gluon forward whose consumers split the head dim (Note
+    [split columns] in kernels/hopper_fwd_wide.py), and the Triton backward, which kernel_paths and
+    last_kernel_paths say: one program per 64-row tile and head (a varlen batch's tiles from its plan's list), every
+    tensor through descriptors over its two 256-column halves of one storage, the second 256 elements in. The
+    launches as on an sm_90 GPU (capture_launches: recorded, not run)."""
+    from flashtile.ops.launch import capture_launches
+
+    monkeypatch.setattr(env, "INTERPRET", False)
+    q, k, v, cu = _capture_inputs(varlen, 512)
+    with capture_launches() as launches:
+        if varlen:
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 163, 163, causal=True)
+        else:
+            out = flashtile.flash_attn_func(q, k, v, causal=True)
+            paths = flashtile.kernel_paths(q, k, v, causal=True)
+            assert (paths["fwd"], paths["bwd_dq"], paths["bwd_dkdv"]) == ("gluon-sm90", "triton", "triton")
+            assert "the Gluon bwd_dq kernel takes" in paths["reason"]
+        out.backward(torch.randn_like(out))
+    assert flashtile.last_kernel_paths() == {"fwd": "gluon-sm90", "bwd_dq": "triton", "bwd_dkdv": "triton"}
+    (launch,) = [launch for launch in launches if launch.kernel.__name__ == "_hopper_fwd_wide_kernel"]
+    assert (launch.kwargs["HEAD_DIM"], launch.kwargs["BLOCK_M"]) == (256, 64)
+    if varlen:  # 64-row tiles of 100, 37, 163 rows; the list is sized by a bound on them (ops/schedule.py)
+        assert launch.grid[0] % 4 == 0 and launch.grid[0] >= (2 + 1 + 3) * 4 and launch.grid[1:] == (1, 1)
+    else:
+        assert launch.grid == (2 * 3 * 4, 1, 1)
+    descs = [a for a in launch.args if hasattr(a, "block_shape")]
+    assert [d.block_shape[-1] for d in descs] == [256] * 8  # Q, Q2, K, K2, V, V2, O, O2
+    for first in range(0, 8, 2):
+        a, b = descs[first].base, descs[first + 1].base
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        assert b.data_ptr() - a.data_ptr() == 256 * 2 and a.stride() == b.stride()
+
+
 def test_dropout_on_the_gluon_forward_and_dq(fake_sm90):
     """Dropout on the Gluon forward and dQ kernels, not on the dK/dV one (Note [dropout on the Gluon path] in
     ops/hopper.py), at each head dim pair the Gluon kernels take; the forward not under a causal or right-window
-    mask, whose short items the Triton forward computes faster."""
+    mask, whose short items the Triton forward computes faster, except at d512."""
     def why(d, dv, **kw):
         return hopper.hopper_unsupported(CUDA, torch.bfloat16, d, head_dim_v=dv, **kw)
     for d, dv in hopper.gluon_head_dims():
@@ -315,6 +357,8 @@ def test_dropout_on_the_gluon_forward_and_dq(fake_sm90):
                        for kernel in ("fwd", "bwd_dq", "bwd_dkdv"))
         assert why(d, dv, dropout=True) is None
         assert "causal" in why(d, dv, dropout=True, right_mask=True)
+    # The d512 forward splits the head dim (kernels/hopper_fwd_wide.py) and takes dropout under any mask.
+    assert why(512, 512, dropout=True, right_mask=True) is None
 
 
 @pytest.mark.skipif(hopper._GLUON_ERROR is not None, reason="no Gluon in this Triton")
@@ -328,10 +372,7 @@ def test_dropout_launches_gluon_fwd_and_dq_triton_dkdv(monkeypatch, varlen):
     from flashtile.ops.launch import capture_launches
 
     monkeypatch.setattr(env, "INTERPRET", False)
-    g = torch.Generator().manual_seed(0)
-    shape = (300, 4) if varlen else (2, 150, 4)
-    q, k, v = (torch.randn(*shape, 128, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
-    cu = torch.tensor([0, 100, 137, 300], dtype=torch.int32)
+    q, k, v, cu = _capture_inputs(varlen, 128)
     cu_k = torch.tensor([0, 120, 137, 300], dtype=torch.int32) if varlen == "cross" else cu
     with capture_launches() as launches:
         if varlen:

@@ -155,6 +155,13 @@ class HopperConfig:
     consumer_regs: int = 240
     loader_regs: int = 24
     source: str = ""
+    split_columns: bool = False  # both consumers on the same rows, each on half of the head dim (hopper_fwd_wide.py)
+
+    @property
+    def item_rows(self) -> int:
+        """Query rows of a work item (its varlen tile list's tiles): one consumer's block_m with split columns,
+        else two consumers' (the forward's and dQ's; dK/dV's items are 2 x block_n keys)."""
+        return self.block_m if self.split_columns else 2 * self.block_m
 
     def kwargs(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
@@ -170,14 +177,17 @@ _HOPPER_DKDV = ("measured on H200, 2026-11-29, triton 3.6: stages 2/3 at S=1k/4k
 
 _HOPPER_FWD_MLA = ("q/k 192 (128 + 64) with v 128: 2 stages, the one depth whose buffers fit shared memory (two Q "
                    "sets of 4 x 24 KiB, 1 K slot of 48, 2 V slots of 32: 208 KiB)")
+_HOPPER_FWD_WIDE = ("q, k, v 512 split 256 + 256 between the consumers (Note [split columns] in "
+                    "kernels/hopper_fwd_wide.py): 64 rows, 32-key blocks, 2 stages: 224 KiB of shared memory")
 _HOPPER_BWD_MLA = ("q/k 192 (128 + 64) with v 128: the streamed tiles halved (dQ's key blocks, dK/dV's query tiles) "
                    "so that 3 stages fit shared memory beside the held sets (220 KiB each)")
 
 # Gluon Hopper kernels, sm_90 only: kernel -> q/k head dim (exact: others run the Triton kernels; v's is the first
-# part's, ops/hopper.gluon_head_dims) -> config. At d64 the same structure ran the standard sweep's S=1k forward
+# part's, or q's with split columns: ops/hopper.gluon_head_dims) -> config. At d64 the same structure ran the standard sweep's S=1k forward
 # slower than the Triton kernel (docs/design/hopper-pipeline.md).
 HOPPER: dict[str, dict[int, HopperConfig]] = {
-    "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD), 192: HopperConfig(64, 128, 2, source=_HOPPER_FWD_MLA)},
+    "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD), 192: HopperConfig(64, 128, 2, source=_HOPPER_FWD_MLA),
+            512: HopperConfig(64, 32, 2, source=_HOPPER_FWD_WIDE, split_columns=True)},
     "bwd_dkdv": {128: HopperConfig(64, 64, 3, source=_HOPPER_DKDV),
                  192: HopperConfig(32, 64, 3, source=_HOPPER_BWD_MLA)},
     "bwd_dq": {128: HopperConfig(64, 64, 3, source=_HOPPER_DQ), 192: HopperConfig(64, 32, 3, source=_HOPPER_BWD_MLA)},

@@ -90,7 +90,7 @@ def environment() -> dict:
 def _tile(kernel: str, gluon: bool, head_dim: int, head_dim_v: int, fp32: bool, dropout: bool) -> str:
     if gluon:
         c = HOPPER[kernel][head_dim]
-        return f"{c.block_m}x{c.block_n} s{c.stages}"
+        return f"{c.block_m}x{c.block_n} s{c.stages}" + (" columns/2" if c.split_columns else "")
     parts = v_parts(head_dim_v, fp32) if kernel == "fwd" else 1  # Note [V parts] in kernels/fwd.py
     c = table_config(kernel, max(head_dim, head_dim_v), fp32, dropout, head_dim_v // parts)
     return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" + (f" x{parts}" if parts > 1 else "")

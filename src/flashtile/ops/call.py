@@ -190,13 +190,13 @@ def _derive(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         self_attn = False
     seqused = seqused_q is not None or seqused_k is not None
-    # Every kernel runs its forward's path, but with dropout each has its own (Note [dropout on the Gluon path]).
-    kernels = ("fwd", "bwd_dq", "bwd_dkdv") if dropout_p > 0.0 else ("fwd",)
-    unsupported = [hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged,
-                                      seqused=seqused, softcap=softcap, alibi=alibi_slopes is not None,
-                                      dropout=dropout_p > 0.0, right_mask=window_right >= 0, kernel=kernel)
-                   if k.numel() > 0 else "no keys" for kernel in kernels]
-    fwd_unsupported, dq_unsupported, dkdv_unsupported = unsupported * (3 // len(unsupported))
+    # Each kernel has its own path: with dropout (Note [dropout on the Gluon path]), and at a head dim that only
+    # the Gluon forward takes (512: Note [split columns] in kernels/hopper_fwd_wide.py).
+    fwd_unsupported, dq_unsupported, dkdv_unsupported = (
+        hopper_unsupported(q.device, q.dtype, head_dim, head_dim_v=head_dim_v, paged=paged, seqused=seqused,
+                           softcap=softcap, alibi=alibi_slopes is not None, dropout=dropout_p > 0.0,
+                           right_mask=window_right >= 0, kernel=kernel) if k.numel() > 0 else "no keys"
+        for kernel in ("fwd", "bwd_dq", "bwd_dkdv"))
     pdl, dq_list_block = False, 0
     if dout is not None:
         dout, out = tma_ready(dout), tma_ready(out)

@@ -4,7 +4,9 @@ Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes r
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
 warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
 and MLA prefill's q/k 192 with v 128 (config.HOPPER, gluon_head_dims: Q and K read as 128 + 64 columns, Note
-[head dim parts] in kernels/hopper_common.py), dense and varlen batches, MHA/GQA/MQA, any lengths, causal and
+[head dim parts] in kernels/hopper_common.py), and the forward at head dim 512 (q, k, v; kernels/hopper_fwd_wide.py,
+whose consumers split the head dim: Note [split columns]; its backward runs the Triton kernels), dense and varlen
+batches, MHA/GQA/MQA, any lengths, causal and
 sliding windows, chunked attention, learnable sinks, and dropout in the dQ kernel and in a forward without a causal
 or right-window mask. Everything else (softcap, ALiBi, the rest of dropout, seqused_q/k, paged K/V, other head dims
 or dtypes, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one decision: the ops
@@ -23,7 +25,8 @@ one mask. The Gluon forward takes dropout only without a causal or right-window 
 Triton forward with dropout on the H200 (bf16, d128, B·S = 16k, p = 0.1, tools/ab_trees.py --dropout 0.1) the
 Gluon one was 1.12-1.14x faster without a mask at S = 1k-16k and on the varlen mix, but causal 0.755x at 1k, 1.04x
 at 4k, 1.08x at 16k and 0.92x on the mix: the short causal items, whose first and diagonal blocks run their
-softmax and mask with no P V beneath, lost.
+softmax and mask with no P V beneath, lost. The d512 forward (kernels/hopper_fwd_wide.py) takes dropout under
+any mask: the Triton one it replaces computes all of Q Kᵀ, and draws the whole mask, in each of two programs.
 
 The Gluon kernels are persistent, one program per SM taking (sequence, head, tile) items from a work counter (Notes
 [persistent forward], [persistent dQ] and [persistent dK/dV]): a dense batch's items numbered in order
@@ -62,6 +65,7 @@ try:
     from ..kernels.hopper_bwd import _hopper_dkdv_kernel
     from ..kernels.hopper_dq import _hopper_dq_kernel
     from ..kernels.hopper_fwd import _hopper_fwd_kernel
+    from ..kernels.hopper_fwd_wide import _hopper_fwd_wide_kernel
     _GLUON_ERROR = None
 except ImportError as e:  # a Triton without Gluon's Hopper API: every call runs the Triton kernels
     _GLUON_ERROR = f"this Triton has no Gluon Hopper API ({e})"
@@ -100,9 +104,9 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype}: the Gluon kernels take fp16 and bf16"
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    pairs = gluon_head_dims()
+    pairs = gluon_head_dims(kernel)
     if (head_dim, head_dim_v) not in pairs:
-        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the Gluon kernels take "
+        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the Gluon {kernel} kernel takes "
                 + ", ".join(f"({d}, {dv})" for d, dv in pairs))
     if not (paged or seqused or softcap > 0.0 or alibi or dropout):  # the common case, without building the list
         return None
@@ -112,20 +116,22 @@ def feature_unsupported(dtype: torch.dtype, head_dim: int, *, head_dim_v: Option
             return f"{what}: not in the Gluon kernels"
     if dropout and kernel == "bwd_dkdv":
         return "dropout: not in the Gluon dK/dV kernel (Note [dropout on the Gluon path] in ops/hopper.py)"
-    if dropout and right_mask and kernel == "fwd":
+    if dropout and right_mask and kernel == "fwd" and not HOPPER["fwd"][head_dim].split_columns:
         return ("dropout with a causal or right-window mask: the Triton forward is the faster one there (Note "
                 "[dropout on the Gluon path] in ops/hopper.py)")
     return None
 
 
 @functools.cache
-def gluon_head_dims() -> tuple[tuple[int, int], ...]:
-    """The (q/k, v) head dims the Gluon kernels take: config.HOPPER's q/k head dims, each with the v head dim of
-    its first part (config.head_dim_parts: 128 at 128, and MLA prefill's 192 read as 128 + 64, whose v is 128).
-    That is the width V's, O's and dO's tiles share with the first part of Q's and K's, whose buffers stage O, dQ
-    and dK for their stores."""
-    dims = set(HOPPER["fwd"]) & set(HOPPER["bwd_dq"]) & set(HOPPER["bwd_dkdv"])
-    return tuple((d, head_dim_parts(d)[0]) for d in sorted(dims))
+def gluon_head_dims(kernel: Optional[str] = None) -> tuple[tuple[int, int], ...]:
+    """The (q/k, v) head dims the Gluon kernel `kernel` takes (None: all three): config.HOPPER's q/k head dims,
+    each with the v head dim of its first part (config.head_dim_parts: 128 at 128, and MLA prefill's 192 read as
+    128 + 64, whose v is 128), the width V's, O's and dO's tiles share with the first part of Q's and K's, whose
+    buffers stage O, dQ and dK for their stores; or q's own where the consumers split the columns (the forward at
+    512: Note [split columns] in kernels/hopper_fwd_wide.py)."""
+    kernels = ("fwd", "bwd_dq", "bwd_dkdv") if kernel is None else (kernel,)
+    dims = set.intersection(*(set(HOPPER[k]) for k in kernels))
+    return tuple((d, d if HOPPER[kernels[0]][d].split_columns else head_dim_parts(d)[0]) for d in sorted(dims))
 
 
 _log = logging.getLogger("flashtile")
@@ -248,6 +254,21 @@ def _items(batch: int, heads: int, length: int, rows: int) -> int:
     return batch * heads * -(-length // rows)
 
 
+def _fwd_static(cfg: HopperConfig, q, k, out, lse, window_left: int, window_right: int, attention_chunk: int,
+                plan: Optional[Plan]) -> dict:
+    """The static integers of a Gluon forward, n_items among them: a dense batch's (B, S, H, D) lengths and
+    items numbered over cfg.item_rows-row tiles, or a varlen batch's packed totals and its plan's listed tiles
+    (plan: None for a dense batch)."""
+    nheads = q.shape[-2]
+    common = dict(wl=window_left, wr=window_right, chunk=attention_chunk, heads=nheads)
+    if plan is None:
+        batch, seqlen_q = q.shape[:2]
+        return dict(common, stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+                    stride_om=0, stride_oh=0, n_items=_items(batch, nheads, seqlen_q, cfg.item_rows))
+    return dict(common, stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
+                stride_om=out.stride(0), stride_oh=out.stride(1), n_items=plan.last_first.shape[0] * nheads)
+
+
 def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int, cu_seqlens_q=None,
         cu_seqlens_k=None, plan: Optional[Plan] = None, learnable_sink: Optional[torch.Tensor] = None,
         attention_chunk: int = 0, rng: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
@@ -260,27 +281,21 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     one from the arguments."""
     nheads, head_dim = q.shape[-2:]
     cfg = HOPPER["fwd"][head_dim]
+    if cfg.split_columns:
+        return _fwd_wide(cfg, q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+                         plan, learnable_sink, attention_chunk, rng, dropout_p, key)
     first, tail = head_dim_parts(head_dim)
     varlen = cu_seqlens_q is not None
     programs = sm_count(q.device)
     # Persistent (Note [persistent forward] in kernels/hopper_fwd.py): one program per SM over the work items,
     # which a varlen batch's plan lists (its writer zeroed the work counter) and a dense batch's numbers.
     if varlen:
-        assert plan.has(2 * cfg.block_m, 0)
+        assert plan.has(cfg.item_rows, 0)
 
     def statics() -> StaticByName:
-        if not varlen:
-            batch, seqlen_q = q.shape[:2]
-            n_items = _items(batch, nheads, seqlen_q, 2 * cfg.block_m)
-            static = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=seqlen_q, seqlen_k=k.shape[1],
-                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=0, stride_oh=0,
-                          n_items=n_items, heads=nheads)
-        else:
-            n_items = plan.last_first.shape[0] * nheads
-            static = dict(stride_lb=0, stride_lh=lse.stride(0), seqlen_q=q.shape[0], seqlen_k=k.shape[0],
-                          wl=window_left, wr=window_right, chunk=attention_chunk, stride_om=out.stride(0),
-                          stride_oh=out.stride(1), n_items=n_items, heads=nheads)
-        return StaticByName(_persistent_grid(n_items, programs), static,
+        static = _fwd_static(cfg, q, k, out, lse, window_left, window_right, attention_chunk,
+                             plan if varlen else None)
+        return StaticByName(_persistent_grid(static["n_items"], programs), static,
                             dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, first),
                                  HEAD_DIM_TAIL=tail, HAS_SINK=learnable_sink is not None,
                                  HAS_DROPOUT=dropout_p > 0.0))
@@ -293,6 +308,36 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
                    CU_SEQLENS_K=cu_seqlens_k, COUNTER=plan.counters[0] if varlen else dense_counter(q.device, 0),
                    qk_scale=qk_scale, dropout_p=dropout_p)
     launch_named(_hopper_fwd_kernel, dynamic, statics, num_warps=4, key=key)
+
+
+def _fwd_wide(cfg: HopperConfig, q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
+              cu_seqlens_q, cu_seqlens_k, plan: Optional[Plan], learnable_sink, attention_chunk: int, rng,
+              dropout_p: float, key: Optional[tuple]) -> None:
+    """fwd at a head dim whose consumers split its columns (Note [split columns] in kernels/hopper_fwd_wide.py):
+    one program per work item (block_m query rows of one sequence and head; a varlen batch's plan lists them), each
+    tensor read and written through descriptors over its two column halves."""
+    nheads, head_dim = q.shape[-2:]
+    half = head_dim // 2
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        assert plan.has(cfg.item_rows, 0)
+
+    def statics() -> StaticByName:
+        static = _fwd_static(cfg, q, k, out, lse, window_left, window_right, attention_chunk,
+                             plan if varlen else None)
+        n_items = static.pop("n_items")  # one program per item
+        return StaticByName((n_items, 1, 1), static,
+                            dict(_constexprs(cfg, q, k, window_left, window_right, attention_chunk, varlen, half),
+                                 HAS_SINK=learnable_sink is not None, HAS_DROPOUT=dropout_p > 0.0))
+
+    key = None if key is None else (key, 0, 3)
+    Q, Q2, K, K2, V, V2, O, O2 = _part_descs(key, half, half, ((q, cfg.block_m), (k, cfg.block_n),
+                                                               (v, cfg.block_n), (out, cfg.block_m)),
+                                             split=(0, 1, 2, 3))
+    dynamic = dict(Q=Q, Q2=Q2, K=K, K2=K2, V=V, V2=V2, O=O, O2=O2, O_PTR=out if varlen else None, LSE=lse,
+                   SINK=learnable_sink, RNG=rng, TILES=plan.last_first if varlen else None,
+                   CU_SEQLENS_Q=cu_seqlens_q, CU_SEQLENS_K=cu_seqlens_k, qk_scale=qk_scale, dropout_p=dropout_p)
+    launch_named(_hopper_fwd_wide_kernel, dynamic, statics, num_warps=4, key=key)
 
 
 def bwd_dq(q, k, v, dout, dq, out, lse, delta, qk_scale: float, softmax_scale: float, window_left: int,

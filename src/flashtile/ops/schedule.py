@@ -145,10 +145,11 @@ def plan_lists(*wanted: tuple[int, bool]) -> tuple[int, bool, bool]:
 def list_blocks(head_dim: int, fp32: bool, fwd_gluon: bool, dq_gluon: bool, dkdv_gluon: bool,
                 dropout: bool = False, head_dim_v: Optional[int] = None) -> tuple[int, int, int]:
     """Rows per tile of the lists that the varlen forward, dQ and dK/dV kernels read, 0 for one that walks the
-    schedule: the Gluon kernels (each kernel's flag: Note [hopper path] in ops/hopper.py) take 2 x their consumer's
-    rows; the Triton dQ kernel reads a list of its BLOCK_M (its tile with dropout if `dropout`, v's head dim
-    `head_dim_v`: config.tile_config) unless an autotuner may launch it with another (ops/bwd.py)."""
-    fwd = 2 * HOPPER["fwd"][head_dim].block_m if fwd_gluon else 0
+    schedule: the Gluon kernels (each kernel's flag: Note [hopper path] in ops/hopper.py) take their items' rows
+    (config.HopperConfig.item_rows); the Triton dQ kernel reads a list of its BLOCK_M (its tile with dropout if
+    `dropout`, v's head dim `head_dim_v`: config.tile_config) unless an autotuner may launch it with another
+    (ops/bwd.py)."""
+    fwd = HOPPER["fwd"][head_dim].item_rows if fwd_gluon else 0
     dkdv = 2 * HOPPER["bwd_dkdv"][head_dim].block_n if dkdv_gluon else 0
     if dq_gluon:
         dq = 2 * HOPPER["bwd_dq"][head_dim].block_m
