@@ -149,10 +149,10 @@ def format_info(env_info: dict, cov: dict) -> str:
              "tested with: " + "; ".join(f"{k} {', '.join(v)}" for k, v in env_info["tested"].items()),
              "",
              f"coverage on {cov['target']}",
-             "(tiles: BLOCK_M x BLOCK_N, warps, stages, and x2 where two programs split V's columns. A head dim"
-             " between two rows runs the larger row's Triton tiles,"
-             " a v head dim narrower than q/k's config.NARROW_V's; the Gluon kernels take 128 and MLA prefill's"
-             " 192/128 exactly)"]
+             "(tiles: BLOCK_M x BLOCK_N, warps, stages, and x2 where two programs split V's columns, columns/2"
+             " where a Gluon kernel's two warpgroups do. A head dim between two rows runs the larger row's Triton"
+             " tiles, a v head dim narrower than q/k's config.NARROW_V's; the Gluon kernels take 128 and MLA"
+             " prefill's 192/128 exactly, the Gluon forward 512 too)"]
     header = ("dtype", "d", "feature", "path", "fwd", "bwd_dq", "bwd_dkdv / decode", "why not Gluon")
     table = []
     for r in cov["rows"]:
