@@ -10,13 +10,6 @@ every K/V row once and keeping enough programs in flight:
     that batch x KV heads x splits keeps every SM streaming even for one long sequence. The chunks are derived on
     the device from cache_seqlens; the host chooses num_splits from shapes only (no synchronisation). A program
     writes a normalised partial (o, lse) state; combine.py merges them. With one split it writes the final output.
-  - Note [folded combine]: where a tile's rows carry a wide V (absorbed MLA decode's 16-128 heads x 512 channels),
-    the split that finishes last merges the tile's partial states itself (COMBINE), instead of a combine launch
-    after the kernel: each split adds one to the tile's counter (COUNTERS, one int32 per (sequence, KV head, M
-    tile), 0 at launch) after a CTA barrier, with release and acquire semantics at GPU scope (as bwd.py's delta
-    handoff), and the one that draws num_splits - 1 reads every split's state from L2, writes OUT and LSE_OUT,
-    and puts the counter back to 0 for the next launch. The merges of different tiles run on different SMs, under
-    other tiles' splits, where the combine kernel ran after the last split of all and re-read the state.
   - Loads: K/V rows are gathered with pointer loads rather than TMA descriptors, since a paged tile may span
     pages; each row is HEAD_DIM contiguous elements, so the loads stay 16-byte vectors, and Triton's pipeliner
     keeps several tiles in flight with cp.async (num_stages; see ops/decode.py for the paged stage count).
@@ -47,7 +40,6 @@ HAS_LEFTPAD, V_IS_K, HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated
 cache_seqlens + t when the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
 HAS_ALIBI, HAS_SINK (a learnable sink logit per query head, folded into split 0's state only: the merge of the
 splits then counts it once; softmax.fold_sink), UPCAST, DOT_PRECISION.
-COMBINE folds the combine into this kernel (Note [folded combine]).
 Never reads a row outside [leftpad, cache_seqlens + S_new) of its sequence, nor a block-table entry for one.
 Does not write the cache (kvcache.py appends) and has no backward.
 """
@@ -55,9 +47,8 @@ Does not write the cache (kvcache.py appends) and has no backward.
 import triton
 import triton.language as tl
 
-from .combine import merge_states
 from .kvcache import cache_coords, rotary_load
-from .masking import LN2, LOG2E, apply_mask, kv_block_range, logits
+from .masking import LOG2E, apply_mask, kv_block_range, logits
 from .softmax import finalize, fold_sink, online_softmax_step
 
 
@@ -151,15 +142,13 @@ def _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, SINK, OUT, LSE_OUT,
-    COUNTERS,
+    Q, K, V, O, LSE, CACHE_SEQLENS, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, SINK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_btb, stride_ab, stride_cos,
-    stride_fb, stride_fm, stride_fh, stride_gb, stride_gh, stride_gm,
     seqlen_q, seqlen_new, page_size, page_mul, page_shift, num_pages, capacity, rotary_dim, seqlen_ro,
     num_splits, num_m_tiles,
     qk_scale, softcap2, wl, wr, chunk,
@@ -170,7 +159,6 @@ def _decode_kernel(
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    COMBINE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(BLOCK_D2 == 0 or BLOCK_D2 >= 16, "tl.dot needs every dimension >= 16")
@@ -265,31 +253,3 @@ def _decode_kernel(
     o_ptrs = O + split * stride_os + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + dv
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv < HEAD_DIM_V))
     tl.store(LSE + split * stride_ls + b64 * stride_lb + h * stride_lh + t * stride_lm, lse, mask=row_ok)
-    if COMBINE:
-        # Note [folded combine]: every thread's partial stores happen before one thread's release add; the split
-        # that counts last reads the tile's other partials after its acquire.
-        tl.debug_barrier()
-        tile = (b * tl.num_programs(1) + hk) * num_m_tiles + m_tile
-        if tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(COUNTERS + tile, 0)  # for the next launch on this stream (ops/decode.decode_counters)
-            _merge_splits(O + b64 * stride_ob + (t * stride_om + h * stride_oh)[:, None] + dv,
-                          LSE + b64 * stride_lb + h * stride_lh + t * stride_lm, stride_os, stride_ls, num_splits,
-                          OUT + b64 * stride_fb + (t * stride_fm + h * stride_fh)[:, None] + dv,
-                          LSE_OUT + b64 * stride_gb + h * stride_gh + t * stride_gm,
-                          row_ok[:, None] & (dv < HEAD_DIM_V), row_ok, BLOCK_M, BLOCK_DV)
-
-
-@triton.jit
-def _merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, num_splits, out_ptrs, lse_out_ptrs, mask, row_ok,
-                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """The split-KV combine (combine.py's kernel) of one tile's rows, inside the decode kernel: its num_splits
-    partial states (o_ptrs, lse_ptrs: split 0's, the splits stride_os / stride_ls apart) merged into the output and
-    its lse (natural log, +inf for a row that saw no key). The loads bypass L1: other SMs wrote the partials."""
-    o = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        o_s = tl.load(o_ptrs + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
-        lse_s = tl.load(lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o, lse = merge_states(o, lse, o_s, lse_s * LOG2E)
-    tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)
-    tl.store(lse_out_ptrs, tl.where(lse == float("-inf"), float("inf"), lse * LN2), mask=row_ok)

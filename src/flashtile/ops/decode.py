@@ -5,8 +5,7 @@ How each kernel is parallelised:
               cache (rotating k when asked). Mutates k_cache and v_cache, which the op declares.
   decode      grid (num_m_tiles * num_splits, Hk, B): one program per packed query tile (GROUP heads x Sq tokens),
               KV split, KV head and sequence; see kernels/decode.py. With num_splits > 1 it writes fp32 partial
-              states and `combine` folds them, or, for a V at least FOLD_MIN_HEAD_DIM_V wide, the last split of
-              each tile does (Note [folded combine]); with one split it writes the output directly.
+              states and `combine` folds them; with one split it writes the output directly.
   combine     grid (cdiv(B * Sq * H, BLOCK_R), cdiv(D, BLOCK_D)): each program merges all splits of BLOCK_R rows
               in BLOCK_D columns (at most COMBINE_BLOCK_D).
 
@@ -28,7 +27,7 @@ from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
 from ..problem import capacity, kernel_flags
 from .common import alibi_batch_stride, cdiv, custom_op, fast_divisor, next_power_of_2
-from .device import graph_capturing, sm_count, stream_handle
+from .device import sm_count
 from .launch import launch_direct, launch_opts
 from .fwd import logit_scales
 
@@ -58,8 +57,6 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 # on, or from 32 sequences, the rule leaves the wave's count. It also binds at 32 or more packed rows of any head
 # dim (GQA 8 with 4 query tokens, GQA 32 with one; d128 and 64 rows: 16 blocks) on caches short enough that the
 # blocks, not the wave, bound the splits: the same trade, not measured there.
-# Note [folded combine] in kernels/decode.py: a V at least this wide merges its splits inside the decode kernel.
-FOLD_MIN_HEAD_DIM_V = 512
 PROGRAMS_PER_SM = 4
 REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
@@ -229,23 +226,6 @@ def _(out_partials, lse_partials, out_dtype):
             lse_partials.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
 
-# Folded-combine counters by (device index, CUDA stream) (Note [folded combine] in kernels/decode.py).
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def decode_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters at 0 for a decode launch that merges its splits itself: one buffer per device and stream,
-    grown when too short, which each launch leaves at 0 for the next (as schedule.dense_counter's); a launch being
-    captured into a CUDA graph, or not on a GPU, gets zeroed counters of its own."""
-    if device.type != "cuda" or graph_capturing(device):
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    key = (device.index, stream_handle(device))
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < n:
-        counters = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return counters
-
-
 @custom_op("flashtile::decode", mutates_args=())
 def decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -279,14 +259,12 @@ def decode(
                                      cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device),
                                      min_blocks_per_split(min(block_m, group * seqlen_q), head_dim_v, cfg.block_n,
                                                           key_bytes))
-    fold = num_splits > 1 and head_dim_v >= FOLD_MIN_HEAD_DIM_V
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
         o_part = q.new_empty((num_splits, batch, seqlen_q, nheads, head_dim_v), dtype=torch.float32)
         lse_part = q.new_empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
-    counters = decode_counters(q.device, batch * nheads_kv * num_m_tiles) if fold else None
     qk_scale, softcap2 = logit_scales(softmax_scale, softcap)
     stride_cos, rotary_dim, seqlen_ro = _rotary_args(rotary_cos)
     flags = kernel_flags(window_left, window_right, softcap, alibi_slopes is not None, False, False, False, q.dtype,
@@ -295,11 +273,10 @@ def decode(
     launch_direct(
         _decode_kernel, grid,
         q, k_cache, v_cache, o_part, lse_part, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        alibi_slopes, rotary_cos, rotary_sin, learnable_sink, out if fold else None, lse if fold else None, counters,
+        alibi_slopes, rotary_cos, rotary_sin, learnable_sink,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         stride_os, *o_part.stride()[-4:-1], stride_ls, *lse_part.stride()[-3:],
         block_table.stride(0) if block_table is not None else 0, alibi_batch_stride(alibi_slopes), stride_cos,
-        *(out.stride()[:3] if fold else (0, 0, 0)), *(lse.stride() if fold else (0, 0, 0)),
         seqlen_q, seqlen_new, *page_args(k_cache), k_cache.shape[0], capacity(k_cache, block_table), rotary_dim,
         seqlen_ro, num_splits,
         num_m_tiles,
@@ -310,11 +287,11 @@ def decode(
         GROUP=group, PAGED=block_table is not None, PAGE_TILED=page_tiled(block_table, k_cache, cfg.block_n),
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
-        ROTARY_INTERLEAVED=rotary_interleaved, HAS_SINK=learnable_sink is not None, COMBINE=fold,
+        ROTARY_INTERLEAVED=rotary_interleaved, HAS_SINK=learnable_sink is not None,
         **{name: flags[name] for name in _SHARED_FLAGS},
         **decode_launch_opts(cfg, block_table is not None, block_m),
     )
-    if num_splits > 1 and not fold:
+    if num_splits > 1:
         combine_into(o_part, lse_part, out, lse)
     return out, lse
 
