@@ -320,13 +320,17 @@ def test_bad_cache_shapes(device):
 
 
 def test_hopper_reason():
-    """The Gluon kernels take 128/128 and MLA prefill's 192/128; other pairs run the Triton kernels, and the reason
-    says which pairs the Gluon ones take."""
+    """The Gluon kernels take 128/128 and MLA prefill's 192/128, the Gluon forward 512/512 too; other pairs run the
+    Triton kernels, and the reason says which pairs the kernel asked about takes."""
     from flashtile.ops.hopper import feature_unsupported
-    assert feature_unsupported(torch.bfloat16, 128, head_dim_v=128) is None
-    assert feature_unsupported(torch.bfloat16, 192, head_dim_v=128) is None
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        assert feature_unsupported(torch.bfloat16, 128, head_dim_v=128, kernel=kernel) is None
+        assert feature_unsupported(torch.bfloat16, 192, head_dim_v=128, kernel=kernel) is None
     assert feature_unsupported(torch.bfloat16, 128, head_dim_v=64) == (
-        "head dims (q/k 128, v 64): the Gluon kernels take (128, 128), (192, 128)")
+        "head dims (q/k 128, v 64): the Gluon fwd kernel takes (128, 128), (192, 128), (512, 512)")
+    assert feature_unsupported(torch.bfloat16, 512, head_dim_v=512) is None
+    assert feature_unsupported(torch.bfloat16, 512, head_dim_v=512, kernel="bwd_dq") == (
+        "head dims (q/k 512, v 512): the Gluon bwd_dq kernel takes (128, 128), (192, 128)")
     assert "(q/k 192, v 192)" in feature_unsupported(torch.bfloat16, 192)
 
 
