@@ -183,8 +183,8 @@ _HOPPER_BWD_MLA = ("q/k 192 (128 + 64) with v 128: the streamed tiles halved (dQ
                    "so that 3 stages fit shared memory beside the held sets (220 KiB each)")
 
 # Gluon Hopper kernels, sm_90 only: kernel -> q/k head dim (exact: others run the Triton kernels; v's is the first
-# part's, or q's with split columns: ops/hopper.gluon_head_dims) -> config. At d64 the same structure ran the standard sweep's S=1k forward
-# slower than the Triton kernel (docs/design/hopper-pipeline.md).
+# part's, or q's with split columns: ops/hopper.gluon_head_dims) -> config. At d64 the same structure ran the
+# standard sweep's S=1k forward slower than the Triton kernel (docs/design/hopper-pipeline.md).
 HOPPER: dict[str, dict[int, HopperConfig]] = {
     "fwd": {128: HopperConfig(64, 128, 3, source=_HOPPER_FWD), 192: HopperConfig(64, 128, 2, source=_HOPPER_FWD_MLA),
             512: HopperConfig(64, 32, 2, source=_HOPPER_FWD_WIDE, split_columns=True)},

@@ -2,17 +2,16 @@
 
 Note [hopper path]: on sm_90 (H100/H200) the forward and the backward's passes run warp-specialised Gluon kernels
 (kernels/hopper_fwd.py, hopper_dq.py, hopper_bwd.py), which Triton's own sm_90 code cannot express (a TMA producer
-warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128
-and MLA prefill's q/k 192 with v 128 (config.HOPPER, gluon_head_dims: Q and K read as 128 + 64 columns, Note
-[head dim parts] in kernels/hopper_common.py), and the forward at head dim 512 (q, k, v; kernels/hopper_fwd_wide.py,
-whose consumers split the head dim: Note [split columns]; its backward runs the Triton kernels), dense and varlen
-batches, MHA/GQA/MQA, any lengths, causal and
-sliding windows, chunked attention, learnable sinks, and dropout in the dQ kernel and in a forward without a causal
-or right-window mask. Everything else (softcap, ALiBi, the rest of dropout, seqused_q/k, paged K/V, other head dims
-or dtypes, other GPUs, the interpreter) runs the Triton kernels. `hopper_unsupported` is the one decision: the ops
-ask it on every call, for each kernel (`kernel`: fwd, bwd_dq, bwd_dkdv), and `flashtile.kernel_paths` asks it for
-a user, with the reason when the answer is no; `last_kernel_paths` says which kernels the last forward and backward
-ran. FLASHTILE_HOPPER=0 switches the path off.
+warp, two consumer warpgroups, wgmma kept in flight under the softmax). They cover fp16/bf16 at head dim 128 and MLA
+prefill's q/k 192 with v 128 (config.HOPPER, gluon_head_dims: Q and K read as 128 + 64 columns, Note [head dim
+parts] in kernels/hopper_common.py), and the forward at head dim 512 (q, k and v; its consumers split the head dim,
+Note [split columns] in kernels/hopper_fwd_wide.py; its backward runs the Triton kernels), dense and varlen batches,
+MHA/GQA/MQA, any lengths, causal and sliding windows, chunked attention, learnable sinks, and dropout in the dQ
+kernel and in a forward without a causal or right-window mask (at 512 with any mask). Everything else (softcap,
+ALiBi, the rest of dropout, seqused_q/k, paged K/V, other head dims or dtypes, other GPUs, the interpreter) runs the
+Triton kernels. `hopper_unsupported` is the one decision: the ops ask it on every call, for each kernel (`kernel`:
+fwd, bwd_dq, bwd_dkdv), and `flashtile.kernel_paths` asks it for a user, with the reason when the answer is no;
+`last_kernel_paths` says which kernels the last forward and backward ran. FLASHTILE_HOPPER=0 switches the path off.
 
 Note [dropout on the Gluon path]: the forward and the dQ kernel draw the mask where P and dP sit, in the wgmma
 accumulator (Note [dropout entries] in kernels/dropout.py), one Philox call per sixteen entries as every Triton
@@ -279,7 +278,7 @@ def fwd(q, k, v, out, lse, qk_scale: float, window_left: int, window_right: int,
     dropout_p > 0 (ops/dropout.py). key: the problem's launch key
     (ops/call.OpProblem.key), which with the SM count determines the launch (launch.launch_named); None to derive
     one from the arguments."""
-    nheads, head_dim = q.shape[-2:]
+    head_dim = q.shape[-1]
     cfg = HOPPER["fwd"][head_dim]
     if cfg.split_columns:
         return _fwd_wide(cfg, q, k, v, out, lse, qk_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
@@ -316,8 +315,7 @@ def _fwd_wide(cfg: HopperConfig, q, k, v, out, lse, qk_scale: float, window_left
     """fwd at a head dim whose consumers split its columns (Note [split columns] in kernels/hopper_fwd_wide.py):
     one program per work item (block_m query rows of one sequence and head; a varlen batch's plan lists them), each
     tensor read and written through descriptors over its two column halves."""
-    nheads, head_dim = q.shape[-2:]
-    half = head_dim // 2
+    half = q.shape[-1] // 2
     varlen = cu_seqlens_q is not None
     if varlen:
         assert plan.has(cfg.item_rows, 0)
