@@ -112,13 +112,20 @@ def test_head_dim_512(device, head_dim):
     _case(device, 900, 2, 1, head_dim, causal=True)
 
 
-@pytest.mark.parametrize("case", ["none", "window-sink", "chunk", "fp16-varlen"])
+@pytest.mark.parametrize("case", ["none", "window-sink", "chunk", "fp16-varlen", "mqa-rows-without-keys"])
 def test_head_dim_512_gluon_forward(device, case):
     """d512 on the Gluon forward whose consumers split the columns (kernels/hopper_fwd_wide.py) at lengths that end
     inside key blocks and query tiles: no mask over 1000 x 1300 keys, GQA 4/2, a window with a sink, chunks under
-    a causal mask, fp16 varlen; the backward runs the Triton kernels."""
+    a causal mask, fp16 varlen with an empty sequence, and MQA with a sink where a causal mask over fewer keys than
+    queries leaves the first rows (and tiles) no key; the backward runs the Triton kernels."""
     if case == "fp16-varlen":
-        varlen_case(device, [700, 1, 333, 129], 4, seed=5)
+        varlen_case(device, [700, 0, 1, 333, 129], 4, seed=5)
+    elif case == "mqa-rows-without-keys":
+        g = torch.Generator().manual_seed(6)
+        q = nan_guarded((2, 300, 4, 512), torch.bfloat16, device, g)
+        k, v = (nan_guarded((2, 100, 1, 512), torch.bfloat16, device, g) for _ in range(2))
+        dout = torch.randn(2, 300, 4, 512, generator=g).to(device, torch.bfloat16)
+        check_attention(q, k, v, dout, causal=True, learnable_sink=torch.randn(4, generator=g).to(device))
     elif case == "none":
         g = torch.Generator().manual_seed(2)
         q = nan_guarded((2, 1000, 4, 512), torch.bfloat16, device, g)
