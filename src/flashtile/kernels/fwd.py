@@ -43,7 +43,9 @@ alike. That is 1.5x the FLOPs of one 512-wide program at two parts, for an accum
 fp32 accumulator takes 128 registers a thread even over 8 warps, and config.TABLE's d512 tile, one stage of K/V,
 builds at 255 registers with 700-2400 bytes of spill stores (tests/sm90_compile.py); a part's tile (config.NARROW_V's
 (512, 256): 4 warps, 3 stages) builds at 239-241 registers without a spill in the dense builds. On the H200 the
-parts ran the d512 forward 7-18% faster than one 512-wide program (docs/perf.md, "Model shapes").
+parts ran the d512 forward 7-18% faster than one 512-wide program (docs/perf.md, "Model shapes"). On sm_90, q, k
+and v 512 in 16-bit inputs run the Gluon forward instead, which computes Q Kᵀ once (Note [split columns] in
+hopper_fwd_wide.py: 1.35-1.40x the parts); the parts serve the other GPUs and a V 512 wide beside another q/k.
 """
 
 import triton
