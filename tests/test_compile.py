@@ -18,7 +18,8 @@ SHARED_LIMIT = 232448
 SCRIPT = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
 # sm90_compile.GROUPS, which must not be imported here (it imports the kernels without the interpreter); the
 # longest first (conftest.py runs this file first).
-GROUPS = ["prefill-64", "prefill-256", "hopper", "prefill-16", "prefill-32", "prefill-128", "prefill-512"] + [
+GROUPS = ["prefill-64", "prefill-256", "hopper", "hopper-wide", "prefill-16", "prefill-32", "prefill-128",
+          "prefill-512"] + [
     f"decode-{d}" for d in (16, 32, 64, 128, 256, 512, 1024)] + ["plan"]
 # The decode kernels keep Triton's own integer specialisation (Note [runtime integers]).
 SPECIALISED = {"_decode_kernel", "_append_kv_kernel", "_combine_kernel"}
@@ -29,7 +30,7 @@ NARROW_D512 = {"_bwd_dq_kernel", "_bwd_dkdv_kernel"}
 # S_dmask's testing-only kernel are exempt. ptxas reports spills only where it compiled (a cold Triton cache, as CI's).
 MAX_SPILL_BYTES = 4096
 WGMMA_KERNELS = {"_attn_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_hopper_fwd_kernel", "_hopper_dq_kernel",
-                 "_hopper_dkdv_kernel"}
+                 "_hopper_dkdv_kernel", "_hopper_fwd_wide_kernel"}
 
 
 def _run(*args, timeout=1500):
@@ -70,7 +71,8 @@ def test_production_kernels_compile_for_sm90(group):
         if r["kernel"].startswith("_hopper"):
             assert r["setmaxnreg"], f"{r}: expected the warp-specialised partitions' register split"
     pairs = _dropout_pairs(rows)
-    assert pairs or group not in ("prefill-64", "hopper"), "no compile with dropout beside the same one without"
+    assert pairs or group not in ("prefill-64", "hopper", "hopper-wide"), \
+        "no compile with dropout beside the same one without"
     for kernel, with_dropout, without in pairs:
         assert (with_dropout["shared_accesses"], with_dropout["barriers"]) == \
             (without["shared_accesses"], without["barriers"]), \
@@ -78,14 +80,16 @@ def test_production_kernels_compile_for_sm90(group):
 
 
 def _dropout_pairs(rows):
-    """(kernel, row, row) for each built forward or dQ compile with dropout and the compile that differs from it
-    only in having none (the "239x1 causal" scenarios of sm90_compile.py, and the Gluon kernels' "d128 dropout"
-    beside "d128 dense"). Their mask is built in the registers that hold P (Notes [dropout mask] and [dropout
-    entries] in kernels/dropout.py), so their PTX must have as many shared-memory accesses and barriers as without
-    dropout; the dK/dV kernel's transposed tile still converts the mask's layout."""
+    """(kernel, row, row) for each built forward or dQ compile with dropout and the compile that differs from it only in
+    having none (the "239x1 causal" scenarios of sm90_compile.py, and the Gluon kernels' "d128 dropout" and "d512
+    dropout" beside "d128 dense" and "d512 dense"). Their mask is built in the registers that hold P (Notes
+    [dropout mask] and [dropout entries] in kernels/dropout.py), so their PTX must have as many shared-memory
+    accesses and barriers as without dropout; the dK/dV kernel's transposed tile still converts the mask's
+    layout."""
     def key(r):
         return repr(sorted((k, v) for k, v in r.items() if k.isupper() and k != "HAS_DROPOUT"))
-    masked_in_registers = ("_attn_fwd_kernel", "_bwd_dq_kernel", "_hopper_fwd_kernel", "_hopper_dq_kernel")
+    masked_in_registers = ("_attn_fwd_kernel", "_bwd_dq_kernel", "_hopper_fwd_kernel", "_hopper_dq_kernel",
+                           "_hopper_fwd_wide_kernel")
     built = [r for r in rows if r["built"] and r["kernel"] in masked_in_registers]
     plain = {(r["kernel"], key(r)): r for r in built if not r.get("HAS_DROPOUT")}
     return [(r["kernel"], r, plain[r["kernel"], key(r)]) for r in built
