@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# One GPU session's measurements in three back-to-back device calls. FlashAttention-4's wheels travel in two
-# halves (../shared/tools/fa4-wheels.sh makes .fa4a/ and .fa4b/), and the machine stays warm ~30 s between calls:
-#   part 1 (carry .fa4a): GPU test tier, varlen preset (with its dense baseline), decode preset
+# One GPU session's measurements in back-to-back device calls. FlashAttention-4's wheels travel in two halves
+# (../shared/tools/fa4-wheels.sh makes .fa4a/ and .fa4b/), and the machine stays warm ~30 s between calls:
+#   part 1 (carry .fa4a): the GPU test tier (pytest -m gpu, 6 workers) beside tools/stress.py (3 processes), so
+#     that processes share the GPU as races need; ~480 s
 #   part 2 (carry .fa4b): FA4 installed, then the standard sweep at d128 and d64, one JSON per head dim and mode
 #   part 3 (no carry, straight after part 2: FA4 is still installed on the warm machine): the sweep at d256
 #   part 4 (after part 2 or 3, FA4 still installed): the model-shape presets (sinks, mla, d512, mla-decode) and
 #   dropout, one JSON each
+#   part 5: the varlen preset (with its dense baseline) and the decode preset
 # A measured run needed ~350 s for part 2's sweeps and ~300 s for d256 with every backend: one call (600 s) cannot
-# hold all three head dims. Every log and JSON goes to $OUT; a bench cut short by its time limit keeps the cases
-# it finished. The time limits were sized before the bench timed backends in interleaved rounds
-# (bench/run.py), which adds a do_bench warm-up per round: watch for runs cut short.
-# Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2|3|4 [git-sha]
+# hold all three head dims. The GPU tier alone ran past 420 s at 8 workers beside a stress run (2026-12-03). Every
+# log and JSON goes to $OUT; a bench cut short by its time limit keeps the cases it finished. The time limits were
+# sized before the bench timed backends in interleaved rounds (bench/run.py), which adds a do_bench warm-up per
+# round: watch for runs cut short.
+# Usage on the GPU machine, from the repo root: bash tools/h200_session.sh 1|2|3|4|5 [git-sha]
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
-part=${1:?part 1, 2, 3 or 4}
+part=${1:?part 1, 2, 3, 4 or 5}
 sha=${2:-unknown}
 mkdir -p "$out" /tmp/fa4
 bench="python3 -m flashtile bench --meta git_sha=$sha"
 if [ "$part" = 1 ]; then
   cp .fa4a/* /tmp/fa4/ 2>/dev/null
-  timeout 120 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rf tests 2>&1 | cut -c1-300 > "$out/gpu_tests.log"
+  python3 tools/stress.py --minutes 2.5 --procs 3 --json "$out/stress.json" > "$out/stress.log" 2>&1 &
+  stress=$!
+  timeout 450 python3 -m pytest -m gpu -q -n 6 -p no:cacheprovider -rf tests 2>&1 | cut -c1-300 > "$out/gpu_tests.log"
+  wait "$stress"
+  grep -E "^FAILED|^ERROR|passed|failed" "$out/gpu_tests.log" | head -20
+  tail -3 "$out/stress.log"
+elif [ "$part" = 5 ]; then
   timeout 220 $bench --preset varlen --backends flashtile,flex --json "$out/varlen.json" > "$out/varlen.log" 2>&1
   timeout 190 $bench --preset decode --backends flashtile,sdpa-cudnn,sdpa-flash,flex --rep-ms 15 \
     --json "$out/decode.json" > "$out/decode.log" 2>&1
-  grep -E "^FAILED|passed|failed" "$out/gpu_tests.log" | head -20
   grep -E "^decode" "$out/decode.log" | grep flashtile | cut -c1-120
   grep -E "^(varlen|fwd)|^ " "$out/varlen.log" | cut -c1-130
 else

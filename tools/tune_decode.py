@@ -12,7 +12,12 @@ With --mla: the same sweep for absorbed MLA decode (16 query heads on one 576-wi
 channels; batches 16-64 of 4k-32k tokens, contiguous and 64-token pages), the heuristic's pick (auto) first: how
 ops/decode.py's PARTIAL_SHARE was measured. TB/s counts each cache byte once.
 
-Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH] [--splits | --mla]
+With --mla-tiles: the 16-head MLA decode tile (config.DECODE_TABLE[1024]: BLOCK_N, warps, stages) one setting at
+a time, each with the register cap of decode_launch_opts (128 a thread at 4 warps, so that PROGRAMS_PER_SM programs
+fit an SM) and without it, splits by the heuristic; each row also gives the decode kernel's registers, spill bytes
+and shared memory as the GPU built it, which bound the programs an SM holds.
+
+Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH] [--splits | --mla | --mla-tiles]
 """
 
 import argparse
@@ -86,21 +91,29 @@ def sweep_splits(json_path):
 MLA_SPLITS = (4, 8, 12, 16, 20, 24, 32, 48, 64)
 
 
+def _latent_caches(batch, seqlen, page, d):
+    """Two absorbed MLA caches of (batch, seqlen) tokens, d channels on one latent head, contiguous or in `page`-
+    token pages (with a shuffled block table): the sweeps read one after the other in a replay, so that the L2
+    cannot serve a 4k cache."""
+    caches = []
+    for _ in range(2):
+        latent = torch.randn(batch * seqlen, 1, d, device="cuda", dtype=torch.bfloat16)
+        if page:
+            pages = batch * seqlen // page
+            table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
+            caches.append((latent.view(pages, page, 1, d), table))
+        else:
+            caches.append((latent.view(batch, seqlen, 1, d), None))
+    return caches
+
+
 def sweep_mla(json_path, heads=16, d=576, dv=512):
-    """Two copies of each cache, read one after the other in a replay, so that the L2 cannot serve a 4k cache."""
+    """The splits of each case, the heuristic's (0: auto) first, over two copies of its cache (_latent_caches)."""
     rows = []
     for page in (0, 64):
         for batch in (16, 32, 64):
             for seqlen in (4096, 8192, 16384, 32768):
-                caches = []
-                for _ in range(2):
-                    latent = torch.randn(batch * seqlen, 1, d, device="cuda", dtype=torch.bfloat16)
-                    if page:
-                        pages = batch * seqlen // page
-                        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
-                        caches.append((latent.view(pages, page, 1, d), table))
-                    else:
-                        caches.append((latent.view(batch, seqlen, 1, d), None))
+                caches = _latent_caches(batch, seqlen, page, d)
                 q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
                 seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
                 nbytes = batch * seqlen * d * 2
@@ -123,16 +136,81 @@ def sweep_mla(json_path, heads=16, d=576, dv=512):
             json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
 
 
+MLA_TILES = ((32, 4, 2), (32, 4, 3), (16, 4, 3), (16, 4, 4), (16, 4, 5), (32, 8, 2), (32, 8, 3), (16, 8, 4),
+             (64, 8, 2))
+MLA_TILE_CASES = ((16, 4096, 0), (16, 8192, 0), (16, 32768, 0), (32, 4096, 0), (64, 4096, 0), (16, 32768, 64))
+
+
+def sweep_mla_tiles(json_path, heads=16, d=576, dv=512):
+    """TB/s of the 16-head absorbed decode for each (BLOCK_N, warps, stages) of MLA_TILES, capped and not."""
+    base = config.DECODE_TABLE[1024]
+    defaults = {name: getattr(decode_ops, name) for name in ("MIN_MAXNREG", "launch_direct")}
+    built = {}
+
+    def recording_launch(kernel, grid, *args, **kwargs):  # the compiled kernel of the decode launch, for its stats
+        compiled = kernel[grid](*args, **kwargs)
+        if kernel.__name__ == "_decode_kernel":
+            built["decode"] = compiled
+
+    decode_ops.launch_direct = recording_launch
+    inputs = {}
+    for batch, seqlen, page in MLA_TILE_CASES:
+        caches = _latent_caches(batch, seqlen, page, d)
+        q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+        seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        inputs[batch, seqlen, page] = (q, caches, seqlens, 2 * batch * seqlen * d * 2)
+    print("tile (n, warps, stages) cap  " + "  ".join(f"b{b}x{s // 1024}k/p{p}" for b, s, p in MLA_TILE_CASES)
+          + "  regs/spill/smem", flush=True)
+    rows = []
+    try:
+        for block_n, warps, stages in MLA_TILES:
+            config.DECODE_TABLE[1024] = dataclasses.replace(base, block_n=block_n, num_warps=warps,
+                                                            num_stages=stages)
+            for capped in (True, False):
+                decode_ops.MIN_MAXNREG = defaults["MIN_MAXNREG"] if capped else 256  # 256: no cap applies
+                speeds, stats = [], ""
+                for case, (q, caches, seqlens, nbytes) in inputs.items():
+                    def run():
+                        for k, table in caches:
+                            flashtile.flash_attn_with_kvcache(q, k, k[..., :dv], cache_seqlens=seqlens,
+                                                              block_table=table, causal=True)
+                    try:
+                        run()
+                        torch.cuda.synchronize()
+                        tbps = nbytes / triton.testing.do_bench_cudagraph(run, rep=20) / 1e9
+                    except Exception as e:  # a tile that does not compile or fit is a result, not a crash
+                        print(f"  ({block_n}, {warps}, {stages}) {case}: {type(e).__name__}: {str(e)[:120]}")
+                        tbps = float("nan")
+                    if not stats:  # the first case's build (the interpreter builds nothing)
+                        c = built.pop("decode", None)
+                        stats = f"{c.n_regs}/{c.n_spills}/{c.metadata.shared}" if hasattr(c, "n_regs") else "n/a"
+                    speeds.append(tbps)
+                    rows.append(dict(block_n=block_n, num_warps=warps, num_stages=stages, capped=capped,
+                                     batch=case[0], seqlen=case[1], page_size=case[2], tbps=tbps, stats=stats))
+                print(f"({block_n:2d}, {warps}, {stages}) {'cap' if capped else 'free':4s}    "
+                      + "  ".join(f"{x:10.2f}" for x in speeds) + f"  {stats}", flush=True)
+    finally:
+        config.DECODE_TABLE[1024] = base
+        for name, value in defaults.items():
+            setattr(decode_ops, name, value)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), base=dataclasses.asdict(base), rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--splits", action="store_true")
     ap.add_argument("--mla", action="store_true")
+    ap.add_argument("--mla-tiles", action="store_true")
     args = ap.parse_args()
     if args.splits:
         return sweep_splits(args.json)
     if args.mla:
         return sweep_mla(args.json)
+    if args.mla_tiles:
+        return sweep_mla_tiles(args.json)
     base = config.DECODE_TABLE[128]
     settings = [("table", {}, {})]
     for bn in (32, 128):
