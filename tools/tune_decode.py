@@ -166,7 +166,9 @@ def sweep_mla_tiles(json_path, heads=16, d=576, dv=512):
         for block_n, warps, stages in MLA_TILES:
             config.DECODE_TABLE[1024] = dataclasses.replace(base, block_n=block_n, num_warps=warps,
                                                             num_stages=stages)
-            for capped in (True, False):
+            # decode_launch_opts caps registers only where the cap leaves MIN_MAXNREG (not at 8 warps): one run there.
+            budget = decode_ops.REGISTERS_PER_SM // (decode_ops.PROGRAMS_PER_SM * 32 * warps)
+            for capped in (True, False) if budget >= defaults["MIN_MAXNREG"] else (False,):
                 decode_ops.MIN_MAXNREG = defaults["MIN_MAXNREG"] if capped else 256  # 256: no cap applies
                 speeds, stats = [], ""
                 for case, (q, caches, seqlens, nbytes) in inputs.items():
