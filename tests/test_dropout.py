@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
-from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_entries, keep_mask
+from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_mask, keep_words, packed_keep, packed_threshold
 from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, varlen_inputs
 
 P = 0.17
@@ -85,11 +85,13 @@ def test_dropout_with_other_features(device, features):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dropout_at_the_gpu_tiles(device, head_dim, causal):
     """Lengths that cross several of the GPU table's tiles, which differ with dropout (config.DROPOUT: the d64
-    dK/dV kernel's 64 x 64), and odd lengths whose last tiles are partial."""
+    dK/dV kernel's 64 x 64), and odd lengths whose last tiles are partial. On an H200, d128 without a causal mask
+    runs the Gluon forward and d512 the Gluon split-columns forward, whose 32-key blocks start inside a 64-key
+    unit of the mask every other block (keep_words' narrow tiles): the mask must still be the backward's."""
     dropout_case(device, 2, 300, 333, 4, 2, head_dim, torch.bfloat16, causal=causal)
 
 
@@ -154,15 +156,17 @@ def _keep_kernel(OUT, seed, stream, bh, threshold, ROWS: tl.constexpr, COLS: tl.
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ENTRIES:
-        keep = keep_entries(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N, tl.arange(0, BLOCK_N)[None, :],
-                            threshold)
+        c, t = packed_threshold(threshold)
+        word, byte = keep_words(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N,
+                                tl.arange(0, BLOCK_N)[None, :], c, t, BLOCK_N)
+        keep = ((word >> (8 * byte + 7).to(tl.uint32)) & 1) != 0  # the bit the Gluon kernels' PRMT reads
     else:
         keep = keep_mask(seed, stream, bh, i[:, None], tl.program_id(1) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
     tl.store(OUT + i[:, None] * COLS + j[None, :], keep.to(tl.int8))
 
 
 def _keep(device, rows, cols, block_m, block_n, threshold, seed=1234, stream=7, bh=5, entries=False):
-    """keep_mask's booleans over (rows, cols), or keep_entries' (the Gluon kernels': tiles of 64 keys or more)."""
+    """keep_mask's booleans over (rows, cols), or keep_words' (the Gluon kernels': tiles of 32 keys or more)."""
     out = torch.empty(rows, cols, dtype=torch.int8, device=device)
     _keep_kernel[(rows // block_m, cols // block_n)](out, seed, stream, bh, threshold, rows, cols, block_m, block_n,
                                                      entries)
@@ -196,7 +200,8 @@ def _philox_words(OUT, seed, stream, bh, ROWS: tl.constexpr, CALLS: tl.constexpr
 def test_the_mask_is_the_notes_mapping(device):
     """Key 64 (c // 4) + 8 g + 2 (c % 4) + e of a row survives iff byte 2 g + e of Philox call c's four words (word
     g // 2, bits 8 (2 (g % 2) + e) up) is at least the threshold (Note [dropout mask]), built here from the raw
-    words, at thresholds from none dropped to all; keep_entries (Note [dropout entries]) too."""
+    words, at thresholds from none dropped to all; keep_words' packed bits (Note [packed keep bits]) too, on both
+    sides of 128 where their test changes form."""
     rows, cols = 16, 128
     words = torch.empty(rows, cols // 16, 4, dtype=torch.int64, device=device)
     _philox_words[(1,)](words, 1234, 7, 5, rows, cols // 16)
@@ -207,13 +212,30 @@ def test_the_mask_is_the_notes_mapping(device):
             for e in range(2):
                 numbers[:, 64 * (c // 4) + 8 * g + 2 * (c % 4) + e] = words[:, c, g // 2] >> 8 * (2 * (g % 2) + e)
     numbers &= 0xFF
-    for threshold in (0, 1, 77, 255, 256):
+    for threshold in (0, 1, 77, 127, 128, 129, 200, 255, 256):
         for block_n in (16, 64, 128):
             assert torch.equal(_keep(device, rows, cols, 16, block_n, threshold).bool(), numbers >= threshold), \
                 (threshold, block_n)
-        for block_n in (64, 128):
+        for block_n in (32, 64, 128):
             entries = _keep(device, rows, cols, 16, block_n, threshold, entries=True).bool()
-            assert torch.equal(entries, numbers >= threshold), (threshold, block_n, "keep_entries")
+            assert torch.equal(entries, numbers >= threshold), (threshold, block_n, "keep_words")
+
+
+@triton.jit
+def _packed_keep_kernel(OUT, WORDS: tl.constexpr):
+    c, t = packed_threshold(tl.program_id(0))
+    k = tl.arange(0, WORDS)  # word k holds the bytes 4k .. 4k + 3, byte 4k + b at bits 8b up
+    x = ((4 * k) | ((4 * k + 1) << 8) | ((4 * k + 2) << 16) | ((4 * k + 3) << 24)).to(tl.uint32)
+    tl.store(OUT + tl.program_id(0) * WORDS + k, packed_keep(x, c, t).to(tl.int64) & 0x80808080)
+
+
+def test_the_packed_keep_bits_are_the_byte_test():
+    """Every byte against every threshold: packed_keep's bit 8 b + 7 of a word is set iff its byte b reaches the
+    threshold, four bytes a word (Note [packed keep bits]; the form changes above 128)."""
+    out = torch.empty(257, 64, dtype=torch.int64)
+    _packed_keep_kernel[(257,)](out, 64)
+    bits = torch.stack([(out >> (8 * b + 7)) & 1 for b in range(4)], -1).reshape(257, 256).bool()
+    assert torch.equal(bits, torch.arange(256)[None, :] >= torch.arange(257)[:, None])
 
 
 def test_backward_reruns_regenerate_the_forward_mask(device):

@@ -31,13 +31,26 @@ backward on an H200; sixteen a call halve it. The dK/dV kernel, whose tile is ot
 of a query per thread), computes it queries x keys with dropout, so that it too draws the mask where P sits and
 transposes P ∘ Z and dS into its products instead: transposing the mask cost more (kernels/bwd.py).
 
-Note [dropout entries]: `keep_entries` computes the same booleans one entry at a time, for tiles in a layout that
-keep_mask's joins and reshapes would change (the wgmma accumulators of the Gluon forward and dQ kernels). Each
-entry derives its call c, word and byte from its key alone and runs the whole Philox call; the compiler finds the
-sixteen entries of one call in a thread (their counters are the same values: the key's offset within its 8-key
-group comes from the lane, the group from the register) and keeps one call, as the sm_90 builds show (one call per
-16 entries, as keep_mask). The key is split as n0 + jl, the tile's first key, a multiple of 64, and the key within
-the tile, so that what selects the word and the byte depends on jl alone, which the compiler can see per register.
+Note [dropout entries]: `keep_words` gives the same bits entry by entry, for tiles in a layout that keep_mask's
+joins and reshapes would change (the wgmma accumulators of the Gluon forward and dQ kernels), and packed: each entry
+gets its call's word, tested four bytes at once (Note [packed keep bits]), and which byte is its own. Each entry
+derives its call c, word and byte from its key alone and runs the whole Philox call; the compiler finds the sixteen
+entries of one call in a thread (their counters are the same values: the key's offset within its 8-key group comes
+from the lane, the group from the register) and keeps one call, as the sm_90 builds show (one call per 16 entries,
+as keep_mask), and one test per word. The key is split as n0 + jl, the tile's first key, a multiple of 64, and the
+key within the tile, so that what selects the word and the byte depends on jl alone, which the compiler can see
+per register; a tile narrower than 64 keys (the d512 forward's 32) may start inside a unit, and then selects them at
+run time. The Gluon kernels then clear dropped entries with one PRMT and one LOP3 per pair of 16-bit values
+(hopper_common.drop_pairs) or per fp32 value (drop_words), where testing each byte and selecting or multiplying
+took about three ALU instructions an entry (docs/perf.md, lead 4).
+
+Note [packed keep bits]: a byte x survives a threshold t in [0, 256] iff x >= t, and a 32-bit word's four bytes are
+tested at once without a carry between them. With t <= 128: x >= t iff x's top bit is set or its low seven bits
+reach t, and the top bit of each byte of d = (x | 0x80808080) - 0x01010101 t is whether they do (each byte of
+x | 0x80808080 is at least 128 >= t: no borrow). With t > 128: x >= t iff the top bit is set and the low seven bits
+reach t - 128, d's test with t - 128. So with c = 0x80808080 below 129 and 0 above, the top bit of each byte of
+maj(x, c, d) = (x & c) | (x & d) | (c & d), one LOP3, is the byte's keep bit: x | d where c's bits are set, x & d
+where they are clear. Two instructions and a LOP3 a word, four entries; the other bits are not meaningful.
 
 `dropout_probs_kernel` writes S_dmask for `return_attn_probs=True` (testing only, one slow pass): the
 probabilities exp(s - lse) of every visible entry, negated where dropped; see ops/dropout.py for the layout.
@@ -97,17 +110,37 @@ def keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def keep_entries(seed, stream, bh, i, n0, jl, threshold):
-    """keep_mask's booleans, entry by entry (Note [dropout entries]): entry (i, n0 + jl) survives, for i (query rows
-    within the sequence) and jl (keys within the tile, from 0) of broadcastable shapes in any layout; n0: the
-    tile's first key within the sequence, a multiple of 64; bh: b * H + h."""
+def packed_threshold(threshold):
+    """(c, t) of Note [packed keep bits] for an 8-bit threshold in [0, 256]: uint32 constants of the test."""
+    high = threshold > 128
+    c = tl.where(high, 0, 0x80808080).to(tl.uint32)
+    t = tl.where(high, threshold - 128, threshold).to(tl.uint32) * 0x01010101
+    return c, t
+
+
+@triton.jit
+def keep_words(seed, stream, bh, i, n0, jl, c, t, BLOCK_N: tl.constexpr):
+    """keep_mask's bits, entry by entry (Note [dropout entries]): for i (query rows within the sequence) and jl
+    (keys within the tile, from 0) of broadcastable shapes in any layout, (word, byte): entry (i, n0 + jl) survives
+    iff bit 8 * byte + 7 of the uint32 word is set. n0: the tile's first key within the sequence, a multiple of
+    min(BLOCK_N, 64), the tile's width; bh: b * H + h; (c, t): packed_threshold's."""
+    if BLOCK_N < 64:  # a narrow tile starts inside a 64-key unit: which word and byte is then known at run time
+        jl = jl + n0 % 64
+        n0 = n0 - n0 % 64
     zero = (i + jl) * 0
     calls = 4 * (n0 // 64 + jl // 64) + (jl % 8) // 2
     r0, r1, r2, r3 = tl.philox(seed, calls + zero, i + zero, bh + zero, stream + zero, PHILOX_ROUNDS)
     group = (jl % 64) // 8  # key 64u + 8g + 2q + e: word g // 2, byte 2 * (g % 2) + e
-    word = tl.where(group < 4, tl.where(group < 2, r0, r1), tl.where(group < 6, r2, r3))
-    byte = (word >> (8 * (2 * (group % 2) + jl % 2) + zero).to(word.dtype)) & 0xFF
-    return byte.to(tl.int32) >= threshold
+    x = tl.where(group < 4, tl.where(group < 2, r0, r1), tl.where(group < 6, r2, r3))
+    return packed_keep(x.to(tl.uint32), c, t), 2 * (group % 2) + jl % 2 + zero
+
+
+@triton.jit
+def packed_keep(x, c, t):
+    """The keep bits of uint32 x's four bytes (Note [packed keep bits]): bit 8 * k + 7 is set iff byte k reaches
+    the threshold of packed_threshold's (c, t)."""
+    d = (x | 0x80808080) - t
+    return (x & c) | (x & d) | (c & d)
 
 
 @triton.jit

@@ -61,10 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .dropout import dropout_state, keep_entries, mask_factor
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, pass_over,
-                            publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
-                            tma_store, work_item, zero_rows_from)
+from .dropout import dropout_state, keep_words, packed_threshold
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, drop_words, info_slots, item_fields,
+                            pass_over, publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers,
+                            tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
 
 
@@ -221,7 +221,8 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
     """Consumer c's BLOCK_M rows of one work item, its Q and dO in buffers qi (landed), whose key blocks start at
     ring position it0. It leaves its dQ store in flight. With HEAD_DIM_TAIL, S = Q Kᵀ runs as two wgmmas into one
     accumulator and dQ's tail columns accumulate on their own (Note [head dim parts] in hopper_common.py). drop:
-    (seed, stream, b * H + h, threshold) of the dropout mask (HAS_DROPOUT), drop_scale 1 / (1 - p)."""
+    (seed, stream, b * H + h, c, t) of the dropout mask (HAS_DROPOUT; dropout.packed_threshold's c and t),
+    drop_scale 1 / (1 - p)."""
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -251,6 +252,11 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
     delta = _delta(do_t, OUT, o_off, stride_om, m0, seqlen_q, HEAD_DIM, BLOCK_M, row_layout)
     gl.store(DELTA + lse_off + rows, delta, mask=rows < seqlen_q)
     lse2 = gl.load(LSE + lse_off + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
+    if HAS_DROPOUT:
+        # dS = P ∘ (Z ∘ dP - delta) with Z = scale or 0 is (scale P) ∘ (dP kept or 0 - delta / scale): the scale
+        # moves into the row's LSE and delta, and the mask only clears dP's dropped entries (drop_words).
+        lse2 = lse2 - gl.log2(drop_scale)
+        delta = delta / drop_scale
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
     dq2 = gl.zeros([BLOCK_M, TAIL], gl.float32, layout=acc2_layout)  # with HEAD_DIM_TAIL only
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -276,14 +282,13 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
             p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
         else:
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as kernels/bwd.py; the mask under the dP matmul
-            seed, stream, bh, threshold = drop
+        if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as kernels/bwd.py; the mask drawn under the dP matmul
+            seed, stream, bh, drop_c, drop_t = drop
             keys = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-            keep = keep_entries(seed, stream, bh, gl.expand_dims(rows, 1), n0, keys, threshold)
-            z = mask_factor(keep, drop_scale)
+            word, byte = keep_words(seed, stream, bh, gl.expand_dims(rows, 1), n0, keys, drop_c, drop_t, BLOCK_N)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         if HAS_DROPOUT:
-            dp = dp * z
+            dp = drop_words(dp, word, byte)
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
         if HEAD_DIM_TAIL > 0:
@@ -319,9 +324,10 @@ def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, RNG, 
     in its set of Q and dO buffers: hopper_common.BufferSets), until one is invalid. Once an item's Q and dO have
     landed, it waits for the previous item's dQ store to have read its staging buffer (the other set's) and hands
     that buffer back."""
-    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    seed, stream, drop_c, drop_t, drop_scale = 0, 0, 0, 0, 1.0
     if HAS_DROPOUT:
         seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
+        drop_c, drop_t = packed_threshold(threshold)
     it0 = 0
     r = 0
     done = False
@@ -342,7 +348,7 @@ def _consumer(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, RNG, 
                 b = item.b
                 o_off = b.to(gl.int64) * stride_ob + h64 * stride_oh
                 lse_off = b.to(gl.int64) * stride_lb + h64 * stride_lh
-            drop = (seed, stream, item.seq * heads + item.h, threshold)
+            drop = (seed, stream, item.seq * heads + item.h, drop_c, drop_t)
             _consume_item(c, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q_s, q2_s, do_s, k_s, k2_s, v_s, ring, b,
                           item.h, item.m_start, item.lo, item.n_blocks, o_off, stride_om, lse_off, item.q_row0,
                           item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, softmax_scale, drop, drop_scale,

@@ -42,10 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .dropout import dropout_state, keep_entries, mask_factor
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields, publish_item,
-                            read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load, tma_store,
-                            work_item, zero_rows_from)
+from .dropout import dropout_state, keep_words, packed_threshold
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, drop_pairs, info_slots, item_fields,
+                            publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
+                            tma_store, work_item, zero_rows_from)
 from .masking import LN2, LOG2E, apply_mask, kv_block_range
 from .softmax import sink_state
 
@@ -195,9 +195,10 @@ def _p_layout(head_dim):
 @gluon.jit
 def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_scale, drop,
              BLOCK_N: gl.constexpr, s_layout: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-             MASK_CHUNK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
-    """Fold the raw scores of key block n0 into the running (max, sum): returns (p, m_new, l_new, alpha), p with
-    the dropout mask applied (HAS_DROPOUT; drop: (seed, stream, b * H + h, threshold), _consumer's)."""
+             MASK_CHUNK: gl.constexpr, HAS_DROPOUT: gl.constexpr, DTYPE: gl.constexpr):
+    """Fold the raw scores of key block n0 into the running (max, sum): returns (p, m_new, l_new, alpha). With
+    HAS_DROPOUT (drop: (seed, stream, b * H + h, c, t), _consumer's), p comes in DTYPE with the dropout mask
+    applied; else in fp32, for the caller to convert."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if masked:
         s = apply_mask(s, gl.expand_dims(rows, 1), gl.expand_dims(n0 + cols, 0), seqlen_k, diag, wl, wr,
@@ -210,9 +211,10 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_sc
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_new = l_i * alpha + gl.sum(p, 1)
     if HAS_DROPOUT:  # after the sum: the LSE is the undropped softmax's (Note [dropout mask] in dropout.py)
-        seed, stream, bh, threshold = drop
-        keep = keep_entries(seed, stream, bh, gl.expand_dims(rows, 1), n0, gl.expand_dims(cols, 0), threshold)
-        p = p * mask_factor(keep, 1.0)
+        seed, stream, bh, c, t = drop
+        word, byte = keep_words(seed, stream, bh, gl.expand_dims(rows, 1), n0, gl.expand_dims(cols, 0), c, t,
+                                BLOCK_N)
+        p = drop_pairs(p.to(DTYPE), word, byte)  # on P's packed pairs (Note [dropout entries])
     return p, m_new, l_new, alpha
 
 
@@ -260,7 +262,7 @@ def _step(q_tile, q2_tile, k_s, k2_s, v_s, k_ring, v_ring, it, n0, p, acc, m_i, 
     k_ring.release(it)  # K_j is read
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), seqlen_k, diag, wl, wr,
                                   chunk, qk_scale, drop, WIDTH, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                                  HAS_DROPOUT)
+                                  HAS_DROPOUT, dtype)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     v_ring.release(it - 1)  # V_{j-1} is read
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -329,7 +331,7 @@ def _consume_item(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_
         k_ring.release(it0)  # K_0 is read
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), seqlen_k, diag,
                                       wl, wr, chunk, qk_scale, drop, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT,
-                                      MASK_CHUNK, HAS_DROPOUT)
+                                      MASK_CHUNK, HAS_DROPOUT, dtype)
         n_last = lo + (n_blocks - 1) * BLOCK_N
         keys_end = seqlen_k  # past this consumer's last visible key
         if MASK_RIGHT:
@@ -405,9 +407,10 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, RNG, q_s, q2_s, k_s, k2
               IS_VARLEN: gl.constexpr, HAS_SINK: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """A persistent program's consumer c: the loader's items, in its order, as it describes them (its r-th in its
     set of Q buffers: hopper_common.BufferSets), until one is invalid."""
-    seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
+    seed, stream, drop_c, drop_t, drop_scale = 0, 0, 0, 0, 1.0
     if HAS_DROPOUT:
         seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
+        drop_c, drop_t = packed_threshold(threshold)
     it0 = 0
     r = 0
     done = False
@@ -421,7 +424,7 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, RNG, q_s, q2_s, k_s, k2
             else:
                 b = item.b
                 lse_off = b.to(gl.int64) * stride_lb + item.h.to(gl.int64) * stride_lh
-            drop = (seed, stream, item.b * heads + item.h, threshold)
+            drop = (seed, stream, item.b * heads + item.h, drop_c, drop_t)
             _consume_item(c, o_desc, O_PTR, LSE, SINK, q_s, q2_s, k_s, k2_s, v_s, sets, k_ring, v_ring, b, item.h,
                           item.m_start, item.lo, item.full_lo, item.full_hi, item.n_blocks, lse_off, item.q_row0,
                           item.seqlen_q, item.seqlen_k, wl, wr, chunk, qk_scale, drop, drop_scale, stride_om,

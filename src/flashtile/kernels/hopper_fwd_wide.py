@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .dropout import dropout_state
+from .dropout import dropout_state, packed_threshold
 from .hopper_common import (Ring, barrier_array, dense_work_item, ring_barriers, store_rows, tile_buffers, tma_load,
                             tma_store, work_item)
 from .hopper_fwd import _acc_layout, _last_pv, _p_layout, _scores, _softmax
@@ -126,10 +126,11 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, RNG, q_s, k_s, v_s, x_s
     if not valid:
         return
     drop_scale = 1.0
-    drop = (0, 0, 0, 0)
+    drop = (0, 0, 0, 0, 0)
     if HAS_DROPOUT:
         seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
-        drop = (seed, stream, b * heads + h, threshold)
+        drop_c, drop_t = packed_threshold(threshold)
+        drop = (seed, stream, b * heads + h, drop_c, drop_t)
     diag = sk - sq
     q_tile = q_s.index(c).reshape([BLOCK_M, HEAD_DIM])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -145,7 +146,7 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, RNG, q_s, k_s, v_s, x_s
         s = _exchange(c, s, x_s, x_bar, 0)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, lo, (lo < full_lo) | (lo >= full_hi), sk, diag, wl, wr,
                                       chunk, qk_scale, drop, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT, MASK_CHUNK,
-                                      HAS_DROPOUT)
+                                      HAS_DROPOUT, dtype)
         for j in range(1, n_blocks):
             n0 = lo + j * BLOCK_N
             k_ring.wait_ready(j)
@@ -158,7 +159,7 @@ def _consumer(c: gl.constexpr, o_desc, O_PTR, LSE, SINK, RNG, q_s, k_s, v_s, x_s
             s = _exchange(c, s, x_s, x_bar, j)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, rows, n0, (n0 < full_lo) | (n0 >= full_hi), sk, diag, wl,
                                           wr, chunk, qk_scale, drop, BLOCK_N, s_layout, MASK_LEFT, MASK_RIGHT,
-                                          MASK_CHUNK, HAS_DROPOUT)
+                                          MASK_CHUNK, HAS_DROPOUT, dtype)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             v_ring.release(j - 1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
