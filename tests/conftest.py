@@ -24,27 +24,58 @@ def device():
     return DEVICE
 
 
+# A readers-writer lock for the workers sharing a GPU: every test holds it shared, a test that needs tens of GB
+# exclusively, so that it never meets another worker's test halfway through its allocations (on an 80 GB card,
+# eight workers' ordinary tests beside a 35 GB one ran out of memory). flock alone would starve the writer (new
+# shared locks are granted while it waits, and some worker's test is always running), so a second file is a
+# turnstile: a reader passes it on its way in, a writer holds it while it waits and runs.
+_LOCKS = {}
+
+
+def _lock_file(name):
+    if name not in _LOCKS:
+        _LOCKS[name] = open(os.path.join(tempfile.gettempdir(), f"flashtile-gpu-{name}.lock"), "w")
+    return _LOCKS[name]
+
+
 @pytest.fixture(autouse=True)
-def _return_cached_gpu_memory():
-    """pytest-xdist's workers share the GPU, and PyTorch's caching allocator keeps each one's peak: after a test
-    that left more than 4 GiB cached, hand it back, so that the large tests below find room."""
-    yield
-    if DEVICE == "cuda" and torch.cuda.memory_reserved() > 4 << 30:
+def _share_the_gpu():
+    """On the GPU tier, hold the workers' lock shared for the test, and after it hand back this worker's cached
+    memory beyond 1 GiB: pytest-xdist's workers share the GPU, and PyTorch's caching allocator keeps each one's
+    peak. Yields what large_gpu_memory calls to hold the lock exclusively instead (None without a GPU)."""
+    if DEVICE != "cuda":
+        yield None
+        return
+    turnstile, lock = _lock_file("turnstile"), _lock_file("tests")
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    alone = []
+
+    def run_alone():
+        # The shared lock goes first, so that two such tests cannot each wait on the other's.
         torch.cuda.empty_cache()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        alone.append(True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+    try:
+        yield run_alone
+    finally:
+        if torch.cuda.memory_reserved() > 1 << 30:
+            torch.cuda.empty_cache()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture
-def large_gpu_memory():
-    """For a test that needs tens of GB: one such test at a time across the workers (a file lock), with this
-    worker's cache emptied first."""
-    with open(os.path.join(tempfile.gettempdir(), "flashtile-large-gpu-test.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def large_gpu_memory(_share_the_gpu):
+    """For a test that needs tens of GB: it runs alone on the GPU (the workers' lock held exclusively, once every
+    other worker's test has ended and returned its cache), with this worker's cache emptied first."""
+    if _share_the_gpu is not None:
+        _share_the_gpu()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
-from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_mask, keep_words, packed_keep, packed_threshold
+from flashtile.kernels.dropout import PHILOX_ROUNDS, keep_mask, keep_words, packed_keep, packed_threshold, philox
 from flashtile.testing import accumulation_floor, attention_ref, check_close, nan_guarded, varlen_inputs
 
 P = 0.17
@@ -219,6 +219,35 @@ def test_the_mask_is_the_notes_mapping(device):
         for block_n in (32, 64, 128):
             entries = _keep(device, rows, cols, 16, block_n, threshold, entries=True).bool()
             assert torch.equal(entries, numbers >= threshold), (threshold, block_n, "keep_words")
+
+
+@triton.jit
+def _philox_pair_kernel(OURS, TRITONS, SEEDS, COUNTERS, N: tl.constexpr):
+    seed = tl.load(SEEDS + tl.program_id(0))
+    at = tl.arange(0, N)
+    c0 = tl.load(COUNTERS + 4 * at)
+    c1 = tl.load(COUNTERS + 4 * at + 1)
+    c2 = tl.load(COUNTERS + 4 * at + 2)
+    c3 = tl.load(COUNTERS + 4 * at + 3)
+    ours = philox(seed, c0, c1, c2, c3)
+    theirs = tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)
+    out = (tl.program_id(0) * N + at) * 4
+    for w in tl.static_range(4):
+        tl.store(OURS + out + w, ours[w].to(tl.int64) & 0xFFFFFFFF)
+        tl.store(TRITONS + out + w, theirs[w].to(tl.int64) & 0xFFFFFFFF)
+
+
+def test_philox_is_tritons(device):
+    """kernels/dropout.philox (each product one mul.wide on a GPU) gives tl.philox's words bit for bit, for seeds
+    with and without their high word and counters over the whole int32 range."""
+    seeds = torch.tensor([0, 1, 2**31 - 1, 2**32 + 5, -1, -(2**62) + 3], dtype=torch.int64, device=device)
+    counters = torch.randint(-(2**31), 2**31, (64, 4), generator=torch.Generator().manual_seed(3),
+                             dtype=torch.int64).to(torch.int32).to(device)
+    ours = torch.empty(len(seeds), 64, 4, dtype=torch.int64, device=device)
+    theirs = torch.empty_like(ours)
+    _philox_pair_kernel[(len(seeds),)](ours, theirs, seeds, counters, 64)
+    assert torch.equal(ours, theirs)
+    assert ours.unique().numel() > 0.99 * ours.numel()
 
 
 @triton.jit

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .dropout import dropout_state, keep_mask, mask_factor
+from .dropout import drop, dropout_state
 from .masking import LOG2E, apply_mask, kv_block_range, logits, q_block_range
 from .seqlen import DESC_PACKED, DESC_ROW, load_once, load_rows, row_desc, seq_info, store_once, tile_coords
 
@@ -95,21 +95,23 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE_H, DELTA_H, j, lo, hi,
         lse2 = tl.load(LSE_H + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
         delta = tl.load(DELTA_H + rows, mask=rows < seqlen_q, other=0.0)
         if HAS_DROPOUT:
-            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dP = Z ∘ (dO Vᵀ); delta = rowsum(dO ∘ O)
-            # is unchanged. The tile is computed as the forward holds it, queries x keys, so that the mask is
-            # drawn in the registers where P sits (Note [dropout mask] in dropout.py); P ∘ Z and dS are transposed
-            # on their way into the dV and dK products instead, where the transposed tile below would transpose
-            # the mask (docs/perf.md).
+            # O = (P ∘ Z) V with Z = mask / (1 - p): dV takes P ∘ Z, and dS = P ∘ (Z ∘ dP - delta) with
+            # delta = rowsum(dO ∘ O) unchanged. With P' = P / (1 - p) (the scale moved into the row's LSE, as the
+            # Gluon dQ kernel does), P ∘ Z is P' with its dropped entries cleared and dS = (P ∘ Z) ∘ dP -
+            # P' ∘ delta (1 - p): the mask costs one clear (dropout.drop). The tile is computed as the forward
+            # holds it, queries x keys, so that the mask is drawn in the registers where P sits (Note [dropout
+            # mask] in dropout.py); P ∘ Z and dS are transposed on their way into the dV and dK products instead,
+            # where the transposed tile below would transpose the mask (docs/perf.md).
             i = rows[:, None]
             jk = tl.trans(j)
             s2, t = logits(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), i, jk, diag, qk_scale, softcap2,
                            slope2, HAS_SOFTCAP, HAS_ALIBI)
             if MASKED:
                 s2 = apply_mask(s2, i, jk, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, False, chunk, MASK_CHUNK)
-            p = tl.math.exp2(s2 - lse2[:, None])
-            z = mask_factor(keep_mask(seed, stream, bh, i, n_start, threshold, BLOCK_M, jk.shape[1]), drop_scale)
-            dv = tl.dot(tl.trans((p * z).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * z - delta[:, None])
+            p = tl.math.exp2(s2 - (lse2 - tl.math.log2(drop_scale))[:, None])
+            pz = drop(p, seed, stream, bh, i, n_start, tl.arange(0, jk.shape[1])[None, :], threshold, jk.shape[1])
+            dv = tl.dot(tl.trans(pz.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            ds = pz * tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - p * (delta / drop_scale)[:, None]
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - t * t)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
@@ -244,8 +246,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, k_start, b, hk, i, lo, h
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p = tl.math.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), as in _bwd_dkdv_inner
-            dp = dp * mask_factor(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), drop_scale)
+        if HAS_DROPOUT:  # dP = Z ∘ (dO Vᵀ), Z's scale in lse2 and delta (_bwd_dq_kernel)
+            dp = drop(dp, seed, stream, bh, i, start_n, offs_n[None, :], threshold, BLOCK_N)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -321,6 +323,10 @@ def _bwd_dq_kernel(
     seed, stream, threshold, drop_scale = 0, 0, 0, 1.0
     if HAS_DROPOUT:
         seed, stream, threshold, drop_scale = dropout_state(RNG, dropout_p)
+        # dS = P ∘ (Z ∘ dP - delta) with Z = scale or 0 is (scale P) ∘ (dP kept or 0 - delta / scale): the scale
+        # moves into the row's LSE and delta (after delta's store), and the mask only clears dP's dropped entries.
+        lse2 = lse2 - tl.math.log2(drop_scale)
+        delta = delta / drop_scale
     bh = b * heads + h
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(m_start, seqlen_q, seqlen_k, wl, wr,

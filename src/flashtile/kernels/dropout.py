@@ -40,9 +40,11 @@ from the lane, the group from the register) and keeps one call, as the sm_90 bui
 as keep_mask), and one test per word. The key is split as n0 + jl, the tile's first key, a multiple of 64, and the
 key within the tile, so that what selects the word and the byte depends on jl alone, which the compiler can see
 per register; a tile narrower than 64 keys (the d512 forward's 32) may start inside a unit, and then selects them at
-run time. The Gluon kernels then clear dropped entries with one PRMT and one LOP3 per pair of 16-bit values
-(hopper_common.drop_pairs) or per fp32 value (drop_words), where testing each byte and selecting or multiplying
-took about three ALU instructions an entry (docs/perf.md, lead 4).
+run time. The kernels, Gluon and Triton, then clear dropped entries with one PRMT and one LOP3 per pair of 16-bit
+values or per fp32 value (`cleared`, `drop`), where testing each byte and selecting or multiplying took about three
+ALU instructions an entry (docs/perf.md, lead 4), and where keep_mask's joins and reshapes, in a Triton kernel's
+MMA layout, cost about as much again as Philox (the d64 forward's loop: 297 instructions a warp a block at p = 0,
+479 with keep_mask).
 
 Note [packed keep bits]: a byte x survives a threshold t in [0, 256] iff x >= t, and a 32-bit word's four bytes are
 tested at once without a carry between them. With t <= 128: x >= t iff x's top bit is set or its low seven bits
@@ -63,7 +65,48 @@ from .masking import LOG2E, apply_mask, logits
 from .seqlen import seq_info
 
 PHILOX_ROUNDS = tl.constexpr(7)
+# Under TRITON_INTERPRET (set before this module is imported) kernels run through numpy, which has no PTX.
+INTERPRETING = tl.constexpr(triton.knobs.runtime.interpret)
 TINY = tl.constexpr(1.1754943508222875e-38)  # the least normal fp32: a dropped zero probability is -TINY
+
+
+@triton.jit
+def _wide_product(x, ROUND_A: tl.constexpr):
+    """(low, high) words of the 64-bit product of uint32 x and Philox4x32's round multiplier A (ROUND_A) or B."""
+    if INTERPRETING:
+        m = 0xD2511F53 if ROUND_A else 0xCD9E8D57
+        return tl.mul(x, m, sanitize_overflow=False), tl.math.umulhi(x, m)
+    elif ROUND_A:
+        return tl.inline_asm_elementwise("{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$0, $1}, w; }",
+                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .b64 w; mul.wide.u32 w, $2, 0xCD9E8D57; mov.b64 {$0, $1}, w; }",
+                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def philox(seed, c0, c1, c2, c3):
+    """tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS), bit for bit (uint32 words; 32-bit counters), with each of a
+    round's two products one PTX mul.wide, one IMAD.WIDE.U32 on sm_90: tl.philox computes the high and the low word
+    by umulhi and a multiplication, which ptxas leaves two IMADs (the Gluon forward's loop: IMAD 118 -> see
+    docs/perf.md, lead 4). The round keys derive from the seed alone: uniform registers, off the vector pipes."""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = c0.to(tl.uint32, bitcast=True)
+    c1 = c1.to(tl.uint32, bitcast=True)
+    c2 = c2.to(tl.uint32, bitcast=True)
+    c3 = c3.to(tl.uint32, bitcast=True)
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        low_a, high_a = _wide_product(c0, True)
+        low_b, high_b = _wide_product(c2, False)
+        c0 = high_b ^ c1 ^ k0
+        c2 = high_a ^ c3 ^ k1
+        c1 = low_b
+        c3 = low_a
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -81,8 +124,7 @@ def _unit_numbers(seed, stream, bh, i, unit, BLOCK_M: tl.constexpr, UNITS: tl.co
     """(BLOCK_M, UNITS * 64) 8-bit numbers of the key units unit + [0, UNITS) (Note [dropout mask])."""
     zero = tl.zeros([BLOCK_M, UNITS, 4], dtype=tl.int32)
     calls = 4 * (unit + tl.arange(0, UNITS))[:, None] + tl.arange(0, 4)[None, :]
-    r0, r1, r2, r3 = tl.philox(seed, calls[None, :, :] + zero, i[:, :, None] + zero, bh + zero, stream + zero,
-                               PHILOX_ROUNDS)
+    r0, r1, r2, r3 = philox(seed, calls[None, :, :] + zero, i[:, :, None] + zero, bh + zero, stream + zero)
     words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, U, 4 q, 2 b, 2 a): word 2a + b, g = 4a + 2b + s
     # Byte 2s + e of a word (s: which of its two groups, e: which key of the pair); the mask keeps 8 bits whether
     # Philox's words come out signed or not.
@@ -129,7 +171,7 @@ def keep_words(seed, stream, bh, i, n0, jl, c, t, BLOCK_N: tl.constexpr):
         n0 = n0 - n0 % 64
     zero = (i + jl) * 0
     calls = 4 * (n0 // 64 + jl // 64) + (jl % 8) // 2
-    r0, r1, r2, r3 = tl.philox(seed, calls + zero, i + zero, bh + zero, stream + zero, PHILOX_ROUNDS)
+    r0, r1, r2, r3 = philox(seed, calls + zero, i + zero, bh + zero, stream + zero)
     group = (jl % 64) // 8  # key 64u + 8g + 2q + e: word g // 2, byte 2 * (g % 2) + e
     x = tl.where(group < 4, tl.where(group < 2, r0, r1), tl.where(group < 6, r2, r3))
     return packed_keep(x.to(tl.uint32), c, t), 2 * (group % 2) + jl % 2 + zero
@@ -144,13 +186,38 @@ def packed_keep(x, c, t):
 
 
 @triton.jit
-def mask_factor(keep, scale):
-    """The dropout mask as a factor: `scale` where keep, else 0 (fp32). Kernels multiply by it rather than select
-    with tl.where(keep, x, 0): LLVM moves a select ahead of a conversion to 16 bits past it, and on sm_90 the
-    select of the converted values splits each packed pair, selects a half and repacks it, about three ALU
-    instructions an entry where the product is one FMUL (the d64 forward's loop, per 32 entries: 56 PRMT and
-    32 SEL became 16 PRMT, 32 FSEL and 32 FMUL; docs/design/backward.md)."""
-    return tl.where(keep, scale, 0.0)
+def cleared(x, word, byte):
+    """x with its dropped entries set to 0: entry e survives iff bit 8 * byte[e] + 7 of word[e] is set (keep_words).
+    A 16-bit tile two entries at a time, as its values are packed: one PRMT replicates each entry's keep bit over
+    its half of a 32-bit mask (PTX prmt's sign-replicating selector nibbles, 8 + byte: the first entry's from the
+    first word, the second's, 12 + byte, from the second), one AND clears the pair; a 32-bit tile one PRMT and one
+    AND an entry. The selectors are known per register at compile time, and ptxas folds their arithmetic into the
+    PRMT's immediate (Note [dropout entries]). A select on a keep predicate cost about three ALU instructions an
+    entry: LLVM moves a select ahead of a conversion to 16 bits past it, splitting each packed pair
+    (docs/design/backward.md)."""
+    if INTERPRETING:
+        keep = ((word >> (8 * byte + 7).to(tl.uint32)) & 1) != 0
+        return tl.where(keep, x, tl.zeros_like(x))
+    elif x.dtype.primitive_bitwidth == 16:
+        sel = (8 + byte) * 0x11 + (12 + byte) * 0x1100
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 s, m; and.b32 s, $4, 0xFF; and.b32 m, $5, 0xFF00; or.b32 s, s, m; "
+            "prmt.b32 m, $2, $3, s; and.b32 $0, $1, m; }",
+            "=r,r,r,r,r,r", [x, word, sel], dtype=x.dtype, is_pure=True, pack=2)
+    else:
+        tl.static_assert(x.dtype.primitive_bitwidth == 32, "dropout clears 16- and 32-bit tiles")
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 m; prmt.b32 m, $2, 0, $3; and.b32 $0, $1, m; }",
+            "=r,r,r,r", [x, word, (8 + byte) * 0x1111], dtype=x.dtype, is_pure=True, pack=1)
+
+
+@triton.jit
+def drop(x, seed, stream, bh, i, n0, jl, threshold, BLOCK_N: tl.constexpr):
+    """x, a tile of P or dP at query rows i and keys n0 + jl (keep_words' arguments), with the entries that dropout
+    drops set to 0 (and no 1 / (1 - p): the kernels fold it into the row's LSE and delta, or into the output)."""
+    c, t = packed_threshold(threshold)
+    word, byte = keep_words(seed, stream, bh, i, n0, jl, c, t, BLOCK_N)
+    return cleared(x, word, byte)
 
 
 @triton.jit

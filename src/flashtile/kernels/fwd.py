@@ -51,7 +51,7 @@ hopper_fwd_wide.py: 1.35-1.40x the parts); the parts serve the other GPUs and a 
 import triton
 import triton.language as tl
 
-from .dropout import dropout_state, keep_mask, mask_factor
+from .dropout import drop, dropout_state
 from .kvcache import cache_coords
 from .masking import LOG2E, apply_mask, kv_block_range, logits
 from .seqlen import DESC_DENSE, DESC_PACKED, DESC_ROW, load_rows, row_desc, seq_info, store_rows, tile_coords
@@ -120,15 +120,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, i, lo, hi,
         if MASKED:
             s = apply_mask(s, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
         p, alpha, l_i, m_i = online_softmax_step(s, scale, m_i, l_i, MASKED)
-        if HAS_DROPOUT:
-            p = p * mask_factor(keep_mask(seed, stream, bh, i, start_n, threshold, i.shape[0], BLOCK_N), 1.0)
         v = _load_kv(v_src, k_start, start_n, b, hk, page, off, stride_vb, stride_vn, row_ok, dv,
                      PAGED, DESC, MASKED, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
         if MASKED and DESC == DESC_PACKED:
             v = tl.where(row_ok[:, None], v, 0.0)  # the next sequence's rows: p is 0 there, but 0 * inf is not
         if UPCAST:
             v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        p = p.to(v.dtype)
+        if HAS_DROPOUT:  # after the row sum, on P's packed pairs; 1 / (1 - p) scales the output (Note [dropout mask])
+            p = drop(p, seed, stream, bh, i, start_n, offs_n[None, :], threshold, BLOCK_N)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 

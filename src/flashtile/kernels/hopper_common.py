@@ -422,26 +422,3 @@ def store_rows(base, tile, row0, n_rows, h, stride_m, stride_h, ROWS: gl.constex
     ptr = base + row0.to(gl.int64) * stride_m + h.to(gl.int64) * stride_h
     offs = gl.expand_dims(rows.to(gl.int64) * stride_m, 1) + gl.expand_dims(cols, 0)
     gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_rows, 1))
-
-
-@gluon.jit
-def drop_pairs(x, word, byte):
-    """x (a 16-bit float tile) with its dropped entries cleared: entry e is kept iff bit 8 * byte[e] + 7 of word[e]
-    is set (kernels/dropout.keep_words). Two entries at a time, as 16-bit values are packed: one PRMT replicates
-    each entry's keep bit over its half of a 32-bit mask (PTX prmt's sign-replicating selector nibbles, 8 + byte:
-    the first entry's from the first word, the second's, 12 + byte, from the second), one AND clears the pair. The
-    selectors are known per register at compile time, and ptxas folds their arithmetic into the PRMT's immediate
-    (Note [dropout entries])."""
-    sel = (8 + byte) * 0x11 + (12 + byte) * 0x1100
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 s, m; and.b32 s, $4, 0xFF; and.b32 m, $5, 0xFF00; or.b32 s, s, m; "
-        "prmt.b32 m, $2, $3, s; and.b32 $0, $1, m; }",
-        "=r,r,r,r,r,r", [x, word, sel], dtype=x.dtype, is_pure=True, pack=2)
-
-
-@gluon.jit
-def drop_words(x, word, byte):
-    """drop_pairs for a 32-bit float tile: one PRMT spreads the entry's keep bit over a 32-bit mask, one AND."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 m; prmt.b32 m, $2, 0, $3; and.b32 $0, $1, m; }",
-        "=r,r,r,r", [x, word, (8 + byte) * 0x1111], dtype=x.dtype, is_pure=True, pack=1)

@@ -61,8 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .dropout import dropout_state, keep_words, packed_threshold
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, drop_words, info_slots, item_fields,
+from .dropout import cleared, dropout_state, keep_words, packed_threshold
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields,
                             pass_over, publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers,
                             tma_load, tma_store, work_item, zero_rows_from)
 from .masking import LOG2E, apply_mask, kv_block_range
@@ -254,7 +254,7 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
     lse2 = gl.load(LSE + lse_off + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
     if HAS_DROPOUT:
         # dS = P ∘ (Z ∘ dP - delta) with Z = scale or 0 is (scale P) ∘ (dP kept or 0 - delta / scale): the scale
-        # moves into the row's LSE and delta, and the mask only clears dP's dropped entries (drop_words).
+        # moves into the row's LSE and delta, and the mask only clears dP's dropped entries (dropout.cleared).
         lse2 = lse2 - gl.log2(drop_scale)
         delta = delta / drop_scale
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -288,7 +288,7 @@ def _consume_item(c: gl.constexpr, dq_desc, dq2_desc, DQ_PTR, OUT, LSE, DELTA, q
             word, byte = keep_words(seed, stream, bh, gl.expand_dims(rows, 1), n0, keys, drop_c, drop_t, BLOCK_N)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         if HAS_DROPOUT:
-            dp = drop_words(dp, word, byte)
+            dp = cleared(dp, word, byte)
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
         if HEAD_DIM_TAIL > 0:

@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .dropout import dropout_state, keep_words, packed_threshold
-from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, drop_pairs, info_slots, item_fields,
+from .dropout import cleared, dropout_state, keep_words, packed_threshold
+from .hopper_common import (BufferSets, Ring, barrier_array, dense_work_item, info_slots, item_fields,
                             publish_item, read_item, ring_barriers, store_rows, take_item, tile_buffers, tma_load,
                             tma_store, work_item, zero_rows_from)
 from .masking import LN2, LOG2E, apply_mask, kv_block_range
@@ -214,7 +214,7 @@ def _softmax(s, m_i, l_i, rows, n0, masked, seqlen_k, diag, wl, wr, chunk, qk_sc
         seed, stream, bh, c, t = drop
         word, byte = keep_words(seed, stream, bh, gl.expand_dims(rows, 1), n0, gl.expand_dims(cols, 0), c, t,
                                 BLOCK_N)
-        p = drop_pairs(p.to(DTYPE), word, byte)  # on P's packed pairs (Note [dropout entries])
+        p = cleared(p.to(DTYPE), word, byte)  # on P's packed pairs (Note [dropout entries])
     return p, m_new, l_new, alpha
 
 
