@@ -88,8 +88,9 @@ def _wide_product(x, ROUND_A: tl.constexpr):
 def philox(seed, c0, c1, c2, c3):
     """tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS), bit for bit (uint32 words; 32-bit counters), with each of a
     round's two products one PTX mul.wide, one IMAD.WIDE.U32 on sm_90: tl.philox computes the high and the low word
-    by umulhi and a multiplication, which ptxas leaves two IMADs (the Gluon forward's loop: IMAD 118 -> see
-    docs/perf.md, lead 4). The round keys derive from the seed alone: uniform registers, off the vector pipes."""
+    by umulhi and a multiplication, which ptxas leaves two IMADs (the Gluon d128 forward's key loop: 925 -> 884
+    instructions a warp a block, IMAD 118 -> 78; docs/perf.md, lead 4). The round keys derive from the seed alone:
+    uniform registers, off the vector pipes."""
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
