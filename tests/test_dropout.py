@@ -258,11 +258,12 @@ def _packed_keep_kernel(OUT, WORDS: tl.constexpr):
     tl.store(OUT + tl.program_id(0) * WORDS + k, packed_keep(x, c, t).to(tl.int64) & 0x80808080)
 
 
-def test_the_packed_keep_bits_are_the_byte_test():
+def test_the_packed_keep_bits_are_the_byte_test(device):
     """Every byte against every threshold: packed_keep's bit 8 b + 7 of a word is set iff its byte b reaches the
     threshold, four bytes a word (Note [packed keep bits]; the form changes above 128)."""
-    out = torch.empty(257, 64, dtype=torch.int64)
+    out = torch.empty(257, 64, dtype=torch.int64, device=device)
     _packed_keep_kernel[(257,)](out, 64)
+    out = out.cpu()
     bits = torch.stack([(out >> (8 * b + 7)) & 1 for b in range(4)], -1).reshape(257, 256).bool()
     assert torch.equal(bits, torch.arange(256)[None, :] >= torch.arange(257)[:, None])
 

@@ -2,7 +2,7 @@
 tiles, computing S = Q Kᵀ (bf16, d128) and, in the second kernel, S ∘ keep_mask (Note [dropout mask] in
 kernels/dropout.py) on the accumulator's own layout, as the forward does; a third times Philox alone on the same
 counters, one call per 16 entries as the mask draws them. Prints G entries of S per second for each and the mask's
-cost relative to the product; docs/perf.md quotes it.
+cost relative to the product; docs/perf.md (Dropout) points to it.
 
 Usage (GPU): PYTHONPATH=src python3 tools/mask_bench.py [--tiles 64] [--warps 4,8]
 """
