@@ -2,9 +2,10 @@
 The backward kernels are scored on the whole backward (dQ with delta, then dK/dV), so tune dK/dV first, then dQ.
 
 Usage (GPU machine): PYTHONPATH=src python3 tools/tune_tiles.py [--json PATH] [--seqlen 4096]
-           [--head-dims 192 --head-dim-v 128 --heads 16]
-Feeds config.TABLE by hand (with --head-dim-v narrower than the head dim, config.NARROW_V: MLA prefill's 192/128):
-each entry there names the run it came from. Shapes follow the standard sweep (B*S = 16k tokens, hidden 2048
+           [--head-dims 192 --head-dim-v 128 --heads 16] [--dropout 0.1 --kernels bwd_dkdv]
+Feeds config.TABLE by hand (with --head-dim-v narrower than the head dim, config.NARROW_V: MLA prefill's 192/128;
+with --dropout, config.DROPOUT, the tiles of the kernels that draw the mask): each entry there names the run it
+came from. Shapes follow the standard sweep (B*S = 16k tokens, hidden 2048
 unless --heads), bf16, causal and not; the score is the geometric mean of TFLOPs over both, FLOPs
 2·B·H·S²·(d + d_v) for the forward (halved causal), 2.5x that for the backward.
 """
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from flashtile import config  # noqa: E402
+from flashtile.ops.dropout import draw_rng  # noqa: E402
 from flashtile.ops.bwd import attention_bwd  # noqa: E402
 from flashtile.ops.fwd import attention_fwd  # noqa: E402
 from flashtile.testing import op_args  # noqa: E402
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--head-dim-v", type=int, help="v's head dim (default: each head dim's own)")
     ap.add_argument("--heads", type=int, help="query heads (default: 2048 // head dim)")
     ap.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p: tune config.DROPOUT's tiles")
     args = ap.parse_args()
     rows = []
     for d in map(int, args.head_dims.split(",")):
@@ -51,18 +54,23 @@ def main():
         flops = 2 * b * h * s * s * (d + dv)
         # The entry a call of these head dims reads (config.table_config): NARROW_V's where v is narrower.
         narrow = config.block_d(dv) < config.block_d(max(d, dv))
-        table = config.NARROW_V if narrow else config.TABLE
         entry = (config.block_d(d), config.block_d(dv)) if narrow else config.block_d(max(d, dv))
+        tables = config.NARROW_V if narrow else config.TABLE
+        if args.dropout:  # table_config takes DROPOUT's tile before any other (not fp32)
+            tables, entry = config.DROPOUT, config.block_d(max(d, dv))
+        rng = draw_rng(q.device) if args.dropout else None
         for kernel in args.kernels.split(","):
+            table = tables.setdefault(kernel, {})
             best = None
             for cfg in config.CANDIDATES[kernel]:
-                config.TABLE[kernel][entry] = cfg
+                table[entry] = cfg
                 tf = []
                 try:
                     for causal in (False, True):
                         wr = 0 if causal else -1
                         f = flops / (2 if causal else 1)
-                        scalars = dict(max_seqlen_q=s, max_seqlen_k=s, softmax_scale=d ** -0.5, window_right=wr)
+                        scalars = dict(max_seqlen_q=s, max_seqlen_k=s, softmax_scale=d ** -0.5, window_right=wr,
+                                       rng=rng, dropout_p=args.dropout)
                         fwd_args = op_args(attention_fwd, q=q, k=k, v=v, **scalars)
                         out, lse = attention_fwd(*fwd_args)
                         if kernel == "fwd":
@@ -76,14 +84,14 @@ def main():
                     print(f"{kernel} d{d} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 score = math.sqrt(tf[0] * tf[1])
-                rows.append({"kernel": kernel, "head_dim": d, "head_dim_v": dv, "seqlen": s,
+                rows.append({"kernel": kernel, "head_dim": d, "head_dim_v": dv, "seqlen": s, "dropout_p": args.dropout,
                              "config": [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
                              "tflops_noncausal": tf[0], "tflops_causal": tf[1]})
                 print(f"{kernel:9s} d{d:<3d} {cfg.block_m:3d}x{cfg.block_n:<3d} w{cfg.num_warps} s{cfg.num_stages}"
                       f"  {tf[0]:6.1f} / {tf[1]:6.1f} TFLOPs (non-causal / causal)", flush=True)
                 if best is None or score > best[0]:
                     best = (score, cfg)
-            config.TABLE[kernel][entry] = best[1]  # so that dQ is tuned beside the best dK/dV
+            table[entry] = best[1]  # so that dQ is tuned beside the best dK/dV
             print(f"BEST {kernel} d{d}: {best[1]} ({best[0]:.1f} TFLOPs geo-mean)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
