@@ -94,6 +94,10 @@ _DROPOUT_D64 = ("measured on H200, 2026-12-03, triton 3.6, p = 0.1 (the dK/dV ti
                 "with 8 warps were slower than the table's too (docs/perf.md)")
 # kernel -> padded head dim -> config with dropout where the mask changes which tile is fastest: the dK/dV kernel's
 # tile turns queries x keys with dropout (Note [dropout mask]), so the table's, sized for keys x queries, is not.
+# d128 keeps the table's (64, 64, 4, 2), spills and all (255 registers, 368 bytes of spill stores in the sm_90
+# build): measured on H100, 2026-12-07, triton 3.6, tools/tune_tiles.py --dropout 0.1 at b4 x 4k x h16, backward
+# TFLOP/s non-causal / causal 334 / 295 against (32, 64, 8, 2)'s 318 / 280 (no spill), (128, 32, 8, 2) 324 / 279,
+# (64, 32, 4, 2) 321 / 275, (64, 64, 8, 2) 314 / 283, (128, 64, 8, 2) 320 / 258, (32, 128, 8, 2) 307 / 272.
 _DROPOUT_D512 = ("measured on H200, 2026-12-03, triton 3.6, p = 0.1: d512 backward 2.78 ms at b2 x 2k x h4 causal "
                  "against the table's (32, 32, 8, 1) 12.80 (same gradients, bit for bit), whose build with dropout "
                  "spills 12-17 KB (tests/sm90_compile.py: 948 bytes here)")
