@@ -24,8 +24,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from flashtile import config  # noqa: E402
-from flashtile.ops.dropout import draw_rng  # noqa: E402
 from flashtile.ops.bwd import attention_bwd  # noqa: E402
+from flashtile.ops.dropout import draw_rng  # noqa: E402
 from flashtile.ops.fwd import attention_fwd  # noqa: E402
 from flashtile.testing import op_args  # noqa: E402
 
@@ -52,7 +52,8 @@ def main():
         q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         flops = 2 * b * h * s * s * (d + dv)
-        # The entry a call of these head dims reads (config.table_config): NARROW_V's where v is narrower.
+        # The entry a call of these head dims reads (config.table_config): NARROW_V's where v is narrower, DROPOUT's
+        # with dropout.
         narrow = config.block_d(dv) < config.block_d(max(d, dv))
         entry = (config.block_d(d), config.block_d(dv)) if narrow else config.block_d(max(d, dv))
         tables = config.NARROW_V if narrow else config.TABLE
