@@ -40,12 +40,22 @@ def assert_matches_ref(out, lse, out_partials, lse_partials, atol=1e-5):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
+# 11 splits take two of a program's groups of splits, the second part empty (Note [combine groups]).
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 11])
 @pytest.mark.parametrize("head_dim", [16, 40, 200])
 def test_matches_reference(num_splits, head_dim):
     out_partials, lse_partials = partials(num_splits, 2, 3, 3, head_dim)
     out, lse = kvcache.combine(out_partials, lse_partials)
     assert out.dtype == torch.float32 and out.shape == (2, 3, 3, head_dim) and lse.shape == (2, 3, 3)
+    assert_matches_ref(out, lse, out_partials, lse_partials)
+
+
+@pytest.mark.parametrize("num_splits", [3, 11])
+def test_many_rows(num_splits):
+    """Enough rows for the combine's wider row blocks, whose groups hold fewer splits (ops/decode.py)."""
+    out_partials, lse_partials = partials(num_splits, 2, 5, 8, 24, seed=2)
+    lse_partials[num_splits // 2:, 1, 3] = -INF  # a head whose later splits saw no key
+    out, lse = kvcache.combine(out_partials, lse_partials)
     assert_matches_ref(out, lse, out_partials, lse_partials)
 
 

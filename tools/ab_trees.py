@@ -8,14 +8,16 @@ Prints one JSON line per case: bf16, hidden 2048 (d128: H=16; --head-dim 64: H=3
 16k and the varlen preset's mix (bench/cases.VARLEN_MIX), causal and not; with --only uniform, varlen batches of
 16 x 1k and 4 x 4k tokens beside the dense batches of the same shapes (the same tiles: what the varlen machinery
 alone costs); with --only decode, one-token decode steps over 8 x 32k caches (GQA 32/8, d128), contiguous and in
-16-token pages (TB/s of K/V read); forward, or forward+backward with --fwdbwd. Each line carries the kernel paths
+16-token pages (TB/s of K/V read); with --only mla, absorbed MLA decode steps (16 query heads on one latent head,
+q/k 576 over a v_cache view of its first 512 channels, contiguous: TB/s of cache, each byte once) at batch 16 x
+4k / 8k / 32k, 32 x 4k and 64 x 4k / 32k; forward, or forward+backward with --fwdbwd. Each line carries the kernel paths
 that ran and a checksum of the output (of dq, dk and dv with --fwdbwd), which two trees that compute the same thing
 must agree on to within rounding. With --host, each case times the host instead: milliseconds of Python per call
 (the least of five bursts of 100 calls, queued behind a sleep kernel so that no call waits for the GPU), on
 --only small by default (short dense and varlen batches and a decode step, where host time is what a user
 waits for); "tflops" is then calls per millisecond. Only the public API is used, so any older tree can be timed.
 
-Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform,decode]
+Usage (GPU): PYTHONPATH=<tree>/src python3 tools/ab_trees.py LABEL [--fwdbwd] [--only dense,varlen,uniform,decode,mla]
              [--window LEFT,RIGHT] [--head-dim 64] [--host] [--dropout P]
 """
 
@@ -42,7 +44,9 @@ def cases(only: str):
                for causal in (False, True)]
     decode = [("decode", 0, False), ("decode_paged", 0, False)]
     small = [(2, 256, True), ("short", 0, True), ("decode_paged", 0, False)]
-    groups = {"dense": dense, "varlen": varlen, "uniform": uniform, "decode": decode, "small": small}
+    mla = [(f"mla{b}", s, False) for b, s in ((16, 4096), (16, 8192), (16, 32768), (32, 4096), (64, 4096),
+                                             (64, 32768))]
+    groups = {"dense": dense, "varlen": varlen, "uniform": uniform, "decode": decode, "small": small, "mla": mla}
     return [c for name in only.split(",") for c in groups[name]] if only else dense + varlen
 
 
@@ -61,11 +65,29 @@ def decode_problem(paged: bool, gen):
     return call, (q, k_cache, v_cache), 2 * batch * cap * heads_kv * d * 2
 
 
+def mla_problem(batch: int, cap: int, gen):
+    """(call, leaves, bytes of cache read): one query token of 16 heads over an absorbed MLA cache (DeepSeek's
+    576 / 512 channels on one latent head; v_cache a view of k_cache)."""
+    q = torch.randn(batch, 1, 16, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(batch, cap, 1, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.full((batch,), cap, dtype=torch.int32, device="cuda")
+
+    def call(q, k_cache):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, k_cache[..., :512], cache_seqlens=seqlens)
+    return call, (q, k_cache), batch * cap * 576 * 2
+
+
+def is_decode(b) -> bool:
+    return b in ("decode", "decode_paged") or str(b).startswith("mla")
+
+
 def problem(b, s, causal: bool, gen, window=(-1, -1), dropout_p=0.0):
     """(call, leaves, flops of the forward): the call runs the forward on fresh leaves each time. Under a sliding
     window the flops are still the full (or causal) mask's: nominal, for comparing two trees only."""
     if b in ("decode", "decode_paged"):
         return decode_problem(b == "decode_paged", gen)
+    if str(b).startswith("mla"):
+        return mla_problem(int(b[3:]), s, gen)
     HEADS = HIDDEN // HEAD_DIM
     varlen = b in MIXES
     if varlen:
@@ -106,7 +128,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("label")
     parser.add_argument("--fwdbwd", action="store_true", help="time forward + backward (FLOPs: 3.5x forward)")
-    parser.add_argument("--only", default=None, help="comma-separated groups: dense, varlen, uniform, decode, small")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated groups: dense, varlen, uniform, decode, small, mla")
     parser.add_argument("--window", default="-1,-1", help="window_size as LEFT,RIGHT (nominal FLOPs)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (heads: 2048 / head dim)")
     parser.add_argument("--host", action="store_true", help="time the host per call (default --only small)")
@@ -121,7 +144,7 @@ def main() -> None:
     for b, s, causal in cases(args.only):
         call, leaves, flops = problem(b, s, causal, gen, tuple(int(x) for x in args.window.split(",")),
                                       args.dropout)
-        decode = b in ("decode", "decode_paged")
+        decode = is_decode(b)
         if args.fwdbwd and not decode:
             leaves = [t.requires_grad_() for t in leaves]
             dout = torch.randn(leaves[0].shape, device="cuda", dtype=leaves[0].dtype, generator=gen)

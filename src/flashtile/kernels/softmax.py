@@ -53,7 +53,7 @@ def sink_state(l_i, m_i, sink2):
 def finalize(acc, l_i, m_i):
     """(out, lse): acc normalised, and the natural-log log-sum-exp. Rows that saw no key (l_i == 0) give out 0
     and lse +inf, flash-attn's convention, which makes the backward's recomputed exp(s - lse) exactly 0 and
-    which combine.merge_states reads as an empty state."""
+    which the combine kernel reads as an empty state."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     return acc / l_safe[:, None], tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)

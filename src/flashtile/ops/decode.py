@@ -33,8 +33,9 @@ from .fwd import logit_scales
 
 APPEND_BLOCK_T = 2 if env.INTERPRET else 16  # new tokens per append program (a decode step appends ~1)
 COMBINE_BLOCK_R = (4, 16)  # rows per combine program: the first while rows are too few to fill the GPU
+COMBINE_SPLITS = (16, 2)  # splits a combine program loads at once, by COMBINE_BLOCK_R (Note [combine groups])
 SMALL_KERNEL_OPTS = {"num_warps": 4, "num_stages": 1}  # append: one pass, nothing to pipeline
-COMBINE_OPTS = {"num_warps": 4, "num_stages": 4}  # combine: loads of 3 splits ahead in flight (combine.py)
+COMBINE_OPTS = {"num_warps": 4, "num_stages": 1}  # combine: it pipelines its own loads (Note [combine groups])
 # Columns per combine program: a wide V's rows (absorbed MLA decode's 512) are merged by several programs, each
 # chaining every split's load of its columns, so that few rows still fill the GPU (Note [combine columns]).
 COMBINE_BLOCK_D = 128
@@ -184,27 +185,29 @@ def combine_into(out_partials: torch.Tensor, lse_partials: torch.Tensor, out: to
     """Merge (num_splits, B, Sq, H, D) / (num_splits, B, H, Sq) partial states into out (B, Sq, H, D) and lse
     (B, H, Sq).
 
-    Note [combine columns]: a program chains its splits' loads (three in flight: COMBINE_OPTS), so the combine is
-    bound by latency where its programs are few. Absorbed MLA decode at 16 heads has 16 rows a sequence 512 wide:
-    at b16, 64 programs of 4 rows read 16 splits each. With COMBINE_BLOCK_D columns a program, 256 programs share
+    Note [combine columns]: a program waits a memory latency for each group of COMBINE_SPLITS splits (Note
+    [combine groups] in kernels/combine.py), so the combine is bound by latency where its programs are few.
+    Absorbed MLA decode at 16 heads has 16 rows a sequence 512 wide: at b16, 64 programs of 4 rows read 16 splits
+    each. With COMBINE_BLOCK_D columns a program, 256 programs share
     that work, each merging the lse of its rows again (a load of 4 bytes a row and split beside its o's 512);
     the first column block stores the lse. Measured on the H200 (`--preset mla-decode --heads 16 --page-size 0`,
     TB/s of cache, CUDA graphs, one run each): b16 at 4k / 8k / 32k 1.55 / 1.99 / 3.27 -> 1.73 / 2.24 / 3.45, b32
-    2.29 / 2.96 / 3.84 -> 2.46 / 3.10 / 3.91, b64 even (3.13 / 3.60 / 4.09 -> 3.11 / 3.61 / 4.08). Head dims up to
-    128 keep one column block."""
+    2.29 / 2.96 / 3.84 -> 2.46 / 3.10 / 3.91, b64 even (3.13 / 3.60 / 4.09 -> 3.11 / 3.61 / 4.08), when a program
+    still merged its splits one at a time. Head dims up to 128 keep one column block."""
     num_splits, batch, seqlen_q, nheads, head_dim = out_partials.shape
     n_rows = batch * seqlen_q * nheads
     if n_rows == 0 or head_dim == 0:
         return
     small, large = COMBINE_BLOCK_R
-    block_r = large if n_rows >= large * sm_count(out.device) else small
+    many = n_rows >= large * sm_count(out.device)
+    block_r = large if many else small
     columns = min(block_d(head_dim), COMBINE_BLOCK_D)
     launch_direct(
         _combine_kernel, (cdiv(n_rows, block_r), cdiv(head_dim, columns)),
         out_partials, lse_partials, out, lse,
         *out_partials.stride()[:4], *lse_partials.stride()[:4], *out.stride()[:3], *lse.stride(),
         num_splits, seqlen_q, nheads, n_rows,
-        HEAD_DIM=head_dim, BLOCK_D=columns, BLOCK_R=block_r, **COMBINE_OPTS,
+        HEAD_DIM=head_dim, BLOCK_D=columns, BLOCK_R=block_r, SPLITS=COMBINE_SPLITS[many], **COMBINE_OPTS,
     )
 
 
