@@ -142,17 +142,22 @@ def test_head_dim_512_gluon_forward(device, case):
         assert flashtile.last_kernel_paths()["fwd"] == "gluon-sm90"
 
 
-def test_absorbed_mla_decode(device):
-    """DeepSeek-V3's decode step: 128 query heads on one 576-wide latent head, v_cache its first 512 channels,
-    4k-token paged caches (64-token pages), one token appended."""
-    batch, cap, h, page = 4, 4096, 128, 64
+@pytest.mark.parametrize("h, page", [(128, 64), (16, 64), (16, 0)])
+def test_absorbed_mla_decode(device, h, page):
+    """DeepSeek-V3's decode step: h query heads on one 576-wide latent head (128; 16 as tensor parallelism over 8
+    leaves them, the keys-major tile), v_cache its first 512 channels, 4k-token caches (64-token pages, or
+    contiguous: page 0), one token appended."""
+    batch, cap = 4, 4096
     g = torch.Generator().manual_seed(1)
     latent = torch.randn(batch, cap, 1, 576, generator=g).to(device, torch.bfloat16)
     q = torch.randn(batch, 1, h, 576, generator=g).to(device, torch.bfloat16)
     new = torch.randn(batch, 1, 1, 576, generator=g).to(device, torch.bfloat16)
     seqlens = torch.tensor([4000, 17, 2048, 3000], dtype=torch.int32, device=device)
-    cache = latent.reshape(-1, page, 1, 576).clone()
-    table = torch.arange(batch * cap // page, dtype=torch.int32, device=device).reshape(batch, -1)
+    if page:
+        cache = latent.reshape(-1, page, 1, 576).clone()
+        table = torch.arange(batch * cap // page, dtype=torch.int32, device=device).reshape(batch, -1)
+    else:
+        cache, table = latent.clone(), None
     scale = 192 ** -0.5
     out = flashtile.flash_attn_with_kvcache(q, cache, cache[..., :512], new, new[..., :512], cache_seqlens=seqlens,
                                             block_table=table, softmax_scale=scale)

@@ -256,19 +256,25 @@ def test_decode_reads_v_from_k_only_for_a_view():
 
 
 def test_absorbed_decode_tiles_follow_the_packed_rows(monkeypatch):
-    """128 heads on the latent head take DECODE_WIDE's tile, 16 heads (one 16-row tile) DECODE_TABLE's."""
+    """128 heads on the latent head take DECODE_WIDE's tile, 16 heads (one 16-row tile) DECODE_KEYS_M's, which
+    holds no V of its own: separate K and V caches keep DECODE_TABLE's."""
     from flashtile import config
     monkeypatch.setattr(config.env, "INTERPRET", False)
-    assert config.decode_config(576, rows=128) is config.DECODE_WIDE[1024]
+    assert config.decode_config(576, rows=128, v_in_k=True) is config.DECODE_WIDE[1024]
+    assert config.decode_config(576, rows=16, v_in_k=True) is config.DECODE_KEYS_M[1024]
     assert config.decode_config(576, rows=16) is config.DECODE_TABLE[1024]
+    assert config.decode_config(576, rows=16, v_in_k=True, paged=True) is config.DECODE_TABLE[1024]
+    assert config.decode_config(576, fp32=True, rows=16, v_in_k=True) is config.DECODE_FP32[1024]
     assert config.decode_config(576, fp32=True, rows=128) is config.DECODE_FP32[1024]
+    assert config.decode_config(128, rows=16, v_in_k=True) is config.DECODE_TABLE[128]
     assert config.decode_config(128, rows=128) is config.DECODE_TABLE[128]
 
 
-def test_absorbed_decode_splits_read_eight_times_their_partial_state(monkeypatch):
-    """ops/decode.py's PARTIAL_SHARE: 16 heads x 512 channels of fp32 state per split ask for 8 key blocks of 32
-    (16 splits at b16 x 4k on 132 SMs, where 32 splits of 4 blocks were slower), and leave every other split
-    count to the wave (recorded launches, not run)."""
+def test_absorbed_decode_splits_fill_one_wave(monkeypatch):
+    """ops/decode.py's split heuristic for absorbed MLA decode (recorded launches, not run): at 16 heads the
+    keys-major tile (one program an SM) takes one wave of 132 programs, whose 64-key blocks already read 8 times the
+    fp32 state a split writes (PARTIAL_SHARE); 128 heads and separate K and V caches take the row-major tiles,
+    where PARTIAL_SHARE binds at 16 rows of 32-key blocks."""
     from flashtile import config
     from flashtile.ops.common import cdiv
     from flashtile.ops.decode import MIN_BLOCKS_PER_SPLIT, min_blocks_per_split
@@ -282,15 +288,16 @@ def test_absorbed_decode_splits_read_eight_times_their_partial_state(monkeypatch
         with capture_launches(sms=132) as launches:
             flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlen, causal=True)
         (launch,) = [launch for launch in launches if launch.kernel.__name__ == "_decode_kernel"]
+        assert launch.kwargs["KEYS_M"] == (absorbed and heads <= 16)  # contiguous caches
         return launch.grid[0] // cdiv(heads // heads_kv, launch.kwargs["BLOCK_M"])
 
-    assert min_blocks_per_split(16, 512, 32, 576 * 2) == 8
-    assert min_blocks_per_split(4, 128, 64, 256 * 2) == MIN_BLOCKS_PER_SPLIT  # GQA 32/8 at d128: the floor
-    assert splits(16, 4096, 16, 1, 576, 512, True) == 16  # one wave would be 33, 4 blocks would allow 32
-    assert splits(16, 8192, 16, 1, 576, 512, True) == 32
-    assert splits(16, 16384, 16, 1, 576, 512, True) == 33  # the wave's
-    assert splits(64, 4096, 16, 1, 576, 512, True) == 8
+    assert min_blocks_per_split(16, 512, 64, 576 * 2) == MIN_BLOCKS_PER_SPLIT
+    assert splits(16, 4096, 16, 1, 576, 512, True) == 8  # 132 // 16
+    assert splits(16, 32768, 16, 1, 576, 512, True) == 8
+    assert splits(32, 4096, 16, 1, 576, 512, True) == 4
+    assert splits(64, 4096, 16, 1, 576, 512, True) == 2
     assert splits(16, 4096, 128, 1, 576, 512, True) == 8  # 4 tiles of 32 rows a sequence: the wave's
+    assert min_blocks_per_split(16, 512, 32, 576 * 2) == 8
     # V read beside K counts too: the same shapes over separate K and V need fewer blocks a split
     assert min_blocks_per_split(16, 512, 32, (576 + 512) * 2) == 4
     assert splits(16, 4096, 16, 1, 576, 512, False) == 32

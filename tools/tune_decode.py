@@ -12,9 +12,10 @@ With --mla: the same sweep for absorbed MLA decode (16 query heads on one 576-wi
 channels; batches 16-64 of 4k-32k tokens, contiguous and 64-token pages), the heuristic's pick (auto) first: how
 ops/decode.py's PARTIAL_SHARE was measured. TB/s counts each cache byte once.
 
-With --mla-tiles: the 16-head MLA decode tile (config.DECODE_TABLE[1024]: BLOCK_N, warps, stages) one setting at
-a time, each with the register cap of decode_launch_opts (128 a thread at 4 warps, so that PROGRAMS_PER_SM programs
-fit an SM) and without it, splits by the heuristic; each row also gives the decode kernel's registers, spill bytes
+With --mla-tiles: the 16-head MLA decode tile of paged caches (config.DECODE_TABLE[1024]: BLOCK_N, warps, stages;
+contiguous ones take config.DECODE_KEYS_M's, Note [keys-major decode] in ops/decode.py) one setting at a time,
+each with the register cap of decode_launch_opts (128 a thread at 4 warps, so that PROGRAMS_PER_SM programs fit an
+SM) and without it, splits by the heuristic; each row also gives the decode kernel's registers, spill bytes
 and shared memory as the GPU built it, which bound the programs an SM holds.
 
 Usage (GPU): PYTHONPATH=src python3 tools/tune_decode.py [--json PATH] [--splits | --mla | --mla-tiles]
@@ -138,7 +139,8 @@ def sweep_mla(json_path, heads=16, d=576, dv=512):
 
 MLA_TILES = ((32, 4, 2), (32, 4, 3), (16, 4, 3), (16, 4, 4), (16, 4, 5), (32, 8, 2), (32, 8, 3), (16, 8, 4),
              (64, 8, 2))
-MLA_TILE_CASES = ((16, 4096, 0), (16, 8192, 0), (16, 32768, 0), (32, 4096, 0), (64, 4096, 0), (16, 32768, 64))
+MLA_TILE_CASES = ((16, 4096, 64), (16, 8192, 64), (16, 32768, 64), (32, 4096, 64), (64, 4096, 64),
+                  (64, 32768, 64))
 
 
 def sweep_mla_tiles(json_path, heads=16, d=576, dv=512):

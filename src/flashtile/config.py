@@ -29,6 +29,13 @@ class TileConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
 
 
+@dataclass(frozen=True)
+class KeysMajorTile(TileConfig):
+    """A decode tile whose score tile is keys x query rows (kernels/decode.py: KEYS_M): block_n keys are the MMA's
+    M dimension, so a few query rows need no padding to its 64, and programs_per_sm of it fit an SM."""
+    programs_per_sm: int = 1
+
+
 _H200 = "measured on H200, 2026-11-29, triton 3.6, tools/tune_tiles.py at S=4k"
 _H200_S4 = ("measured on H200, 2026-11-29, triton 3.6: fwd+bwd A/B against (64, 64, 4, 2) at S=1k/4k/16k, "
             "causal and not: +1.5-3.2%, S=1k causal even")
@@ -49,6 +56,9 @@ _D512_FWD = ("measured on H200, 2026-12-03, triton 3.6: forward TFLOP/s at S = 4
 _MLA = ("measured on H200, 2026-12-03, triton 3.6: absorbed 576/512 at b32 x 8k, TB/s of cache at 128 / 16 heads "
         "(contiguous): 0.64 / 2.98 against (32, 32, 8, 2)'s 0.35 / 1.58, (32, 64, 4, 2)'s 0.83 / 2.59, "
         "(64, 32, 8, 2)'s 0.60 / 1.59 (wgmma, spills), (16, 64, 4, 2)'s 0.58 / 2.58")
+_MLA_KEYS_M = ("measured on H100, 2026-12-08, triton 3.6: 16-head absorbed 576/512 decode, contiguous, TB/s at b16 x "
+               "4k / 8k / 32k, b32 x 4k, b64 x 4k / 32k: 2.01 / 2.43 / 2.93 / 2.39 / 2.66 / 3.10 against "
+               "DECODE_TABLE[1024]'s 1.82 / 2.10 / 2.81 / 2.12 / 2.52 / 3.06")
 # kernel -> padded head dim -> config, for sm_90. Other archs use the same shapes until measured.
 TABLE: dict[str, dict[int, TileConfig]] = {
     "fwd": {
@@ -278,19 +288,33 @@ DECODE_WIDE: dict[int, TileConfig] = {
     1024: TileConfig(32, 64, 4, 2, _MLA),
 }
 # fp32 caches where the table's 4-byte K/V stages would not fit shared memory.
+# Absorbed MLA decode of up to 16 packed rows over a contiguous cache: keys x rows tiles, one warpgroup's wgmma
+# (M = 64 keys, N = 16 rows), two 74 KB key blocks in flight and one program an SM (168 KB of shared memory, 144
+# registers, no spill; tests/sm90_compile.py). Note [keys-major decode] in ops/decode.py.
+DECODE_KEYS_M: dict[int, KeysMajorTile] = {
+    1024: KeysMajorTile(16, 64, 4, 2, _MLA_KEYS_M, programs_per_sm=1),
+}
 DECODE_FP32: dict[int, TileConfig] = {
     512: TileConfig(32, 16, 8, 2, _FP32),
     1024: TileConfig(32, 16, 8, 2, _FP32),
 }
 DECODE_INTERPRETER = TileConfig(16, 16, 4, 1, "CPU interpreter: small tiles so tiny caches cross blocks, M tiles")
+DECODE_INTERPRETER_KEYS_M = KeysMajorTile(16, 16, 4, 1, "CPU interpreter: DECODE_KEYS_M's orientation, small")
 
 
-def decode_config(head_dim: int, fp32: bool = False, rows: int = 1) -> TileConfig:
+def decode_config(head_dim: int, fp32: bool = False, rows: int = 1, v_in_k: bool = False,
+                  paged: bool = False) -> TileConfig:
     """The decode tile at this head dim (the wider of q/k's and v's), for fp32 caches if `fp32`, for `rows` packed
-    query rows (GQA group x query tokens) per KV head."""
-    if env.INTERPRET:
-        return DECODE_INTERPRETER
+    query rows (GQA group x query tokens) per KV head, where V's tile is K's first part if `v_in_k` (kernels/
+    decode.py: V_IS_K; DECODE_KEYS_M's tiles hold no V of their own), over a paged cache if `paged` (which
+    DECODE_KEYS_M's tiles leave to the others: Note [keys-major decode] in ops/decode.py)."""
     d = block_d(head_dim)
+    keys_m = (v_in_k and not paged and rows <= 16 and d in DECODE_KEYS_M
+              and not (fp32 and d in DECODE_FP32))
+    if env.INTERPRET:
+        return DECODE_INTERPRETER_KEYS_M if keys_m else DECODE_INTERPRETER
     if fp32 and d in DECODE_FP32:
         return DECODE_FP32[d]
+    if keys_m:
+        return DECODE_KEYS_M[d]
     return DECODE_WIDE[d] if rows > 16 and d in DECODE_WIDE else DECODE_TABLE[d]

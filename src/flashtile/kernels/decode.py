@@ -31,6 +31,11 @@ Notation (see masking.py for i, j, diag, wl, wr and log2-unit logits, kvcache.py
   V_IS_K     v_cache is a view of k_cache's first HEAD_DIM_V channels (an absorbed MLA cache) and BLOCK_DV =
              BLOCK_D: V's tile is K's first part, already on chip, so each cache row is read once. Its columns
              past HEAD_DIM_V hold K's other channels, so O's are garbage there; they are never stored.
+  KEYS_M     the score tile is keys x rows (BLOCK_N x BLOCK_M) and acc is O's transpose (BLOCK_DV x BLOCK_M):
+             S^T = K Q^T, O^T += V^T P^T, so the key rows are the MMA's M dimension and a few query rows (absorbed
+             MLA decode's 16 heads) fill one warpgroup's wgmma (M = 64 keys, N = 16) with no padding, where rows x
+             keys takes mma.sync tiles of 16 rows. Q is transposed once, O once at the end (Note [keys-major
+             decode] in ops/decode.py).
   acc, m_i, l_i   the online softmax state, as in fwd.py.
   UPCAST     compute on fp32 copies of bf16 tiles: only under the CPU interpreter, which cannot compute on bf16.
   DOT_PRECISION   "ieee" for fp32 inputs (true fp32 products), "tf32" otherwise; from problem.kernel_flags.
@@ -39,7 +44,7 @@ Flags that change the code: PAGED (row translation through the block table), PAG
 HAS_LEFTPAD, V_IS_K, HAS_ROTARY (+ ROTARY_INTERLEAVED: the query tile is rotated as it is loaded, at position
 cache_seqlens + t when the mask is causal/local, else at cache_seqlens), MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
 HAS_ALIBI, HAS_SINK (a learnable sink logit per query head, folded into split 0's state only: the merge of the
-splits then counts it once; softmax.fold_sink), UPCAST, DOT_PRECISION.
+splits then counts it once; softmax.fold_sink), KEYS_M, UPCAST, DOT_PRECISION.
 Never reads a row outside [leftpad, cache_seqlens + S_new) of its sequence, nor a block-table entry for one.
 Does not write the cache (kvcache.py appends) and has no backward.
 """
@@ -49,7 +54,7 @@ import triton.language as tl
 
 from .kvcache import cache_coords, rotary_load
 from .masking import LOG2E, apply_mask, kv_block_range, logits
-from .softmax import finalize, fold_sink, online_softmax_step
+from .softmax import finalize, fold_sink, keys_major_step, online_softmax_step
 
 
 @triton.jit
@@ -95,7 +100,7 @@ def _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                   HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr, MASKED: tl.constexpr,
                   PAGED: tl.constexpr,
                   PAGE_TILED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KEYS_M: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     dv = tl.arange(0, BLOCK_DV)[None, :]
@@ -117,18 +122,28 @@ def _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
         k = _load_kv(k_rows + d, row_ok, d, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
-        j = (r - r_lo)[None, :]  # logical key index
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KEYS_M:  # q and q2 hold the query rows transposed: s is keys x rows
+            j = (r - r_lo)[:, None]  # logical key index
+            s = tl.dot(k, q, input_precision=DOT_PRECISION)
+        else:
+            j = (r - r_lo)[None, :]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if BLOCK_D2 > 0:
             d2 = BLOCK_D + tl.arange(0, BLOCK_D2)[None, :]
             k2 = _load_kv(k_rows + d2, row_ok, d2, MASKED, HEAD_DIM, BLOCK_D + BLOCK_D2)
             if UPCAST:
                 k2 = k2.to(tl.float32)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+            if KEYS_M:
+                s = tl.dot(k2, q2, s, input_precision=DOT_PRECISION)
+            else:
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         s2, _ = logits(s, i, j, diag, qk_scale, softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
         if MASKED:
             s2 = apply_mask(s2, i, j, seqlen_k, diag, wl, wr, MASK_LEFT, MASK_RIGHT, True, chunk, MASK_CHUNK)
-        p, alpha, l_i, m_i = online_softmax_step(s2, 1.0, m_i, l_i, MASKED)
+        if KEYS_M:  # l_i: the keys x rows sums of keys_major_step
+            p, alpha, l_i, m_i = keys_major_step(s2, m_i, l_i, MASKED)
+        else:
+            p, alpha, l_i, m_i = online_softmax_step(s2, 1.0, m_i, l_i, MASKED)
         if V_IS_K:
             v = k
         else:
@@ -136,7 +151,10 @@ def _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
                          MASKED, HEAD_DIM_V, BLOCK_DV)
             if UPCAST:
                 v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if KEYS_M:
+            acc = tl.dot(tl.trans(v), p.to(v.dtype), acc * alpha[None, :], input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -158,7 +176,8 @@ def _decode_kernel(
     PAGED: tl.constexpr, PAGE_TILED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_ROTARY: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, MASK_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINK: tl.constexpr, KEYS_M: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16, "tl.dot needs every dimension >= 16")
     tl.static_assert(BLOCK_D2 == 0 or BLOCK_D2 >= 16, "tl.dot needs every dimension >= 16")
@@ -188,19 +207,24 @@ def _decode_kernel(
     t = m // GROUP
     h = hk * GROUP + m % GROUP
     row_ok = t < seqlen_q
-    i = t[:, None]
+    i = t[None, :] if KEYS_M else t[:, None]  # as the score tile holds its rows
     d = tl.arange(0, BLOCK_D)[None, :]
     q_ptrs = Q + b64 * stride_qb + (t * stride_qm + h * stride_qh)[:, None]
-    q = _load_q(q_ptrs, d, row_ok, seqlen_cache, i, COS, SIN, stride_cos, rotary_dim, seqlen_ro, HEAD_DIM,
+    q = _load_q(q_ptrs, d, row_ok, seqlen_cache, t[:, None], COS, SIN, stride_cos, rotary_dim, seqlen_ro, HEAD_DIM,
                 HAS_ROTARY, ROTARY_INTERLEAVED, MASK_LEFT or MASK_RIGHT, UPCAST)
     q2 = q  # unused with one part
     if BLOCK_D2 > 0:
-        q2 = _load_q(q_ptrs, BLOCK_D + tl.arange(0, BLOCK_D2)[None, :], row_ok, seqlen_cache, i, COS, SIN,
+        q2 = _load_q(q_ptrs, BLOCK_D + tl.arange(0, BLOCK_D2)[None, :], row_ok, seqlen_cache, t[:, None], COS, SIN,
                      stride_cos, rotary_dim, seqlen_ro, HEAD_DIM, HAS_ROTARY, ROTARY_INTERLEAVED,
                      MASK_LEFT or MASK_RIGHT, UPCAST)
+        if KEYS_M:
+            q2 = tl.trans(q2)
+    if KEYS_M:
+        q = tl.trans(q)
     slope2 = 0.0
     if HAS_ALIBI:
-        slope2 = (tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0) * LOG2E)[:, None]
+        slope2 = tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0) * LOG2E
+        slope2 = slope2[None, :] if KEYS_M else slope2[:, None]
 
     # Key blocks in physical rows: the window bounds (bottom-right aligned, so shifting keys and diag by leftpad
     # changes nothing), then the left padding, whose first block is partial and so masked.
@@ -215,34 +239,44 @@ def _decode_kernel(
     split_lo = lo + split * blocks_per_split * BLOCK_N
     split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, hi)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # This split's share of: the masked left edge, the mask-free interior, the masked right edge.
+    if KEYS_M:
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # This split's share of: the masked left edge, the mask-free interior, the masked right edge. A keys-major tile
+    # masks all its blocks in one loop instead: its masks are a few entries a thread, and one pipelined loop of its
+    # wide K tiles, not three, keeps its registers (Note [keys-major decode] in ops/decode.py).
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
-                                  split_lo, tl.minimum(split_hi, full_lo), r_lo, r_hi, seqlen_k, diag, wl, wr,
-                                  chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
-                                  stride_vb, stride_vn, stride_vh,
-                                  stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, True, PAGED,
-                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-                                  DOT_PRECISION)
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
-                                  tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
+                                  split_lo, split_hi if KEYS_M else tl.minimum(split_hi, full_lo), r_lo, r_hi,
                                   seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                                   stride_btb, page_size, page_mul, page_shift, num_pages,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, False, PAGED,
-                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-                                  DOT_PRECISION)
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
-                                  tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
-                                  chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
-                                  stride_vb, stride_vn, stride_vh,
-                                  stride_btb, page_size, page_mul, page_shift, num_pages,
                                   BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, True, PAGED,
-                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, UPCAST,
-                                  DOT_PRECISION)
+                                  PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, KEYS_M,
+                                  UPCAST, DOT_PRECISION)
+    if not KEYS_M:
+        acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                      tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), r_lo, r_hi,
+                                      seqlen_k, diag, wl, wr, chunk, qk_scale, softcap2, slope2,
+                                      stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                                      stride_btb, page_size, page_mul, page_shift, num_pages,
+                                      BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, False, PAGED,
+                                      PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, KEYS_M,
+                                      UPCAST, DOT_PRECISION)
+        acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, q2, K, V, BLOCK_TABLE, b, cache_b, hk, i, d,
+                                      tl.maximum(split_lo, full_hi), split_hi, r_lo, r_hi, seqlen_k, diag, wl, wr,
+                                      chunk, qk_scale, softcap2, slope2, stride_kb, stride_kn, stride_kh,
+                                      stride_vb, stride_vn, stride_vh,
+                                      stride_btb, page_size, page_mul, page_shift, num_pages,
+                                      BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, V_IS_K, True, PAGED,
+                                      PAGE_TILED, MASK_LEFT, MASK_RIGHT, MASK_CHUNK, HAS_SOFTCAP, HAS_ALIBI, KEYS_M,
+                                      UPCAST, DOT_PRECISION)
+    if KEYS_M:
+        acc = tl.trans(acc)
+        l_i = tl.sum(l_i, 0)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + h, mask=row_ok, other=0.0) * LOG2E

@@ -30,6 +30,20 @@ def online_softmax_step(s, scale, m_i, l_i, MASKED: tl.constexpr):
 
 
 @triton.jit
+def keys_major_step(s, m_i, l_keys, MASKED: tl.constexpr):
+    """online_softmax_step for a keys x rows block of logits s (kernels/decode.py: KEYS_M), whose denominator is
+    kept per key slot: l_keys (keys x rows) sums the probabilities each slot has seen, rescaled with its row, and
+    the caller sums its keys once, at the end. So a block reduces across its keys, which span the warps (a
+    round trip through shared memory and a barrier), for the max alone."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    if MASKED:  # Note [fully masked rows]
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_new[None, :])
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_keys * alpha[None, :] + p, m_new
+
+
+@triton.jit
 def fold_sink(acc, l_i, m_i, sink2):
     """The state (acc, l_i, m_i) with one more logit per row, sink2 (log2 units; -inf for none), that has no value:
     it joins the denominator only. That is a learnable attention sink (gpt-oss; FlashAttention-4's learnable_sink):

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..config import TileConfig, block_d, decode_config, head_dim_parts
+from ..config import KeysMajorTile, TileConfig, block_d, decode_config, head_dim_parts
 from ..kernels.combine import _combine_kernel
 from ..kernels.decode import _decode_kernel
 from ..kernels.kvcache import _append_kv_kernel
@@ -41,18 +41,19 @@ COMBINE_OPTS = {"num_warps": 4, "num_stages": 1}  # combine: it pipelines its ow
 COMBINE_BLOCK_D = 128
 PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 
-# Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at
-# once (d128: 4 warps of at most 128 registers a thread, a cap decode_launch_opts sets, and 38 KB of shared
-# memory each), and the launch is given as many splits as fit in that one wave, rounded down. Rounding up, the
-# first rule, spilled into another wave, which cost up to 25% paged: a launch of 1.03-1.45 waves runs its last
-# programs on a few SMs, each reading at one program's latency-bound rate (tools/tune_decode.py --splits, 256k
-# cached tokens, Sq=1: at 0.97-1.00 wave 4.11-4.36 TB/s contiguous and 3.96-4.33 paged for every batch 2..64; at
-# 1.03-1.45 waves 2.89-3.67 paged). Every split also gets at least MIN_BLOCKS_PER_SPLIT key blocks so its
-# pipeline fills, and the partial buffers are capped at MAX_SPLITS. Head dims other than 128 use the same
-# occupancy, not measured.
+# Split heuristic (num_splits=0): at most one wave. PROGRAMS_PER_SM is how many decode programs an SM holds at once
+# (d128: 4 warps of at most 128 registers a thread, a cap decode_launch_opts sets, and 38 KB of shared memory each; a
+# keys-major tile gives its own count, Note [keys-major decode]), and the launch is given as many splits as fit in that
+# one wave, rounded down. Rounding up, the first rule, spilled into another wave, which cost up to 25% paged: a launch
+# of 1.03-1.45 waves runs its last programs on a few SMs, each reading at one program's latency-bound rate
+# (tools/tune_decode.py --splits, 256k cached tokens, Sq=1: at 0.97-1.00 wave 4.11-4.36 TB/s contiguous and 3.96-4.33
+# paged for every batch 2..64; at 1.03-1.45 waves 2.89-3.67 paged). Every split also gets at least MIN_BLOCKS_PER_SPLIT
+# key blocks so its pipeline fills, and the partial buffers are capped at MAX_SPLITS. Head dims other than 128 use the
+# same occupancy, not measured.
 # A split also reads at least PARTIAL_SHARE times the bytes of the fp32 partial state it writes, which the
 # combine reads back: binding only where a tile's rows carry a wide V, as absorbed MLA decode's 16 heads x 512
-# channels (32 KB of state against 36 KB of cache a key block). There, at 16 sequences of 4k tokens, 32 splits of 4
+# channels in the row-major tile (32 KB of state against 36 KB of cache a key block; paged caches since Note
+# [keys-major decode], whose 64-key blocks read 74 KB). There, at 16 sequences of 4k tokens, 32 splits of 4
 # blocks read 1.37 TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs,
 # tools/tune_decode.py --mla); at 8k, 32 splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k
 # on, or from 32 sequences, the rule leaves the wave's count. It also binds at 32 or more packed rows of any head
@@ -70,11 +71,35 @@ MAX_SPLITS = 128
 _SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_ALIBI", "UPCAST", "DOT_PRECISION")
 
 
-def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int, min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
+# Note [keys-major decode]: absorbed MLA decode at 16 heads (DeepSeek under 8-way tensor parallelism) packs 16 query
+# rows on one latent head, each cache row 576 channels read once for K and once, as its first 512, for V. Rows x
+# keys, 16 rows are one mma.sync tile (wgmma wants 64 rows a warpgroup), and the table's 32-key tile, capped to
+# 128 registers so that 4 programs fit an SM, keeps one 36 KB block in flight a program (tests/sm90_compile.py: 56
+# KB of shared memory at num_stages 2). Keys x rows (kernels/decode.py: KEYS_M), S^T = K Q^T and O^T += V^T P^T
+# take one warpgroup's wgmma of 64 keys x 16 rows, K's shared-memory tile serving as V^T with no copy, and the
+# softmax reduces across keys, over the warps, for the max alone (softmax.keys_major_step). Its 64-key tile at 2
+# stages holds two 74 KB blocks in flight, 168 KB, one program an SM: programs_per_sm then sizes the split
+# heuristic's wave (132 programs on an H100 or H200), whose splits already read more than PARTIAL_SHARE times
+# their state. Measured on an H100 80GB HBM3 (2026-12-08, torch 2.11, Triton 3.6, `tools/ab_trees.sh <base> 2
+# --only mla`, CUDA graphs, TB/s of cache): b16 x 4k / 8k / 32k 1.82 / 2.10 / 2.81 -> 2.01 / 2.43 / 2.93, b32 x 4k
+# 2.12 -> 2.39, b64 x 4k / 32k 2.52 / 3.06 -> 2.66 / 3.10; at b16 x 32k ncu read the DRAM at 88% of its peak (82%
+# with three loops of the kernel's masked / interior / masked blocks: a keys-major tile masks them all in one).
+# Paged caches keep the row-major tile: the block table's load takes a pipeline stage of a keys-major tile's two,
+# and a third does not fit shared memory; at 64-token pages the keys-major tile was 4-11% faster at b16-b32 x
+# 4k-16k but 3-5% slower from 150 MB of cache up (b64 x 8k, b32 x 16k and more).
+
+
+def programs_per_sm(cfg: TileConfig) -> int:
+    """How many programs of the decode tile cfg an SM holds: PROGRAMS_PER_SM, or a keys-major tile's own."""
+    return cfg.programs_per_sm if isinstance(cfg, KeysMajorTile) else PROGRAMS_PER_SM
+
+
+def auto_num_splits(work_units: int, max_kv_blocks: int, sms: int, min_blocks: int = MIN_BLOCKS_PER_SPLIT,
+                    per_sm: int = PROGRAMS_PER_SM) -> int:
     """Splits per (sequence, KV head, M tile) from shapes only: work_units = B * Hk * M tiles and max_kv_blocks is
     the cache capacity in BLOCK_N blocks (never the current lengths, which live on the device); each split gets at
-    least min_blocks of them (min_blocks_per_split)."""
-    wave = PROGRAMS_PER_SM * sms
+    least min_blocks of them (min_blocks_per_split); per_sm programs fill an SM (programs_per_sm)."""
+    wave = per_sm * sms
     return max(1, min(wave // work_units, max_kv_blocks // min_blocks, MAX_SPLITS))
 
 
@@ -113,7 +138,7 @@ def decode_launch_opts(cfg: TileConfig, paged: bool, block_m: int) -> dict:
     opts = launch_opts(cfg)
     if paged:
         opts["num_stages"] += PAGED_EXTRA_STAGES
-    budget = REGISTERS_PER_SM // (PROGRAMS_PER_SM * 32 * cfg.num_warps)
+    budget = REGISTERS_PER_SM // (programs_per_sm(cfg) * 32 * cfg.num_warps)
     if block_m <= 16 and budget >= MIN_MAXNREG:
         opts["maxnreg"] = min(budget, 255)
     return opts
@@ -252,16 +277,17 @@ def decode(
     if out.numel() == 0:
         return out, lse
     group = nheads // nheads_kv
-    cfg = decode_config(max(head_dim, head_dim_v), q.dtype == torch.float32, group * seqlen_q)
-    block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
     block_d_k, block_d_tail = head_dim_parts(head_dim)
     shared_v = v_is_k(k_cache, v_cache, block_d_k)
+    cfg = decode_config(max(head_dim, head_dim_v), q.dtype == torch.float32, group * seqlen_q, shared_v,
+                        block_table is not None)
+    block_m, block_t, num_m_tiles = packed_tile(group, seqlen_q, cfg)
     if num_splits == 0:
         key_bytes = (head_dim + (0 if shared_v else head_dim_v)) * k_cache.element_size()
         num_splits = auto_num_splits(batch * nheads_kv * num_m_tiles,
                                      cdiv(capacity(k_cache, block_table), cfg.block_n), sm_count(q.device),
                                      min_blocks_per_split(min(block_m, group * seqlen_q), head_dim_v, cfg.block_n,
-                                                          key_bytes))
+                                                          key_bytes), programs_per_sm(cfg))
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
@@ -291,6 +317,7 @@ def decode(
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_ROTARY=rotary_cos is not None,
         ROTARY_INTERLEAVED=rotary_interleaved, HAS_SINK=learnable_sink is not None,
+        KEYS_M=isinstance(cfg, KeysMajorTile),
         **{name: flags[name] for name in _SHARED_FLAGS},
         **decode_launch_opts(cfg, block_table is not None, block_m),
     )
