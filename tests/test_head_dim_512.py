@@ -125,8 +125,9 @@ def test_decode_512(device, page_size, num_splits):
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_deepseek_absorbed_decode(device, page_size):
     """DeepSeek-V3's absorbed MLA decode: 16 query heads on one latent head of 576 channels, v_cache the view of
-    its first 512 (one storage), one new token appended, split-KV; equal to the same call over separate K and V
-    tensors, and to the reference."""
+    its first 512 (one storage), one new token appended, split-KV; equal to the reference, and paged to the same
+    call over separate K and V tensors (the same tile; a contiguous absorbed cache runs the keys-major one, Note
+    [keys-major decode] in ops/decode.py, whose sums run in another order: both are held to the reference)."""
     batch, cap, h = 2, 32, 16
     g = torch.Generator().manual_seed(6)
     latent = torch.randn(batch, cap, 1, 576, generator=g).to(device, torch.bfloat16)
@@ -145,13 +146,49 @@ def test_deepseek_absorbed_decode(device, page_size):
     assert out.shape == (batch, 1, h, 512)
     separate = flashtile.flash_attn_with_kvcache(q, cache.clone(), cache[..., :512].clone(),
                                                  cache_seqlens=seqlens + 1, **kw)
-    assert torch.equal(out, separate)
+    if page_size:
+        assert torch.equal(out, separate)
     for b in range(batch):
         s = int(seqlens[b])
         keys = torch.cat([latent[b:b + 1, :s], new[b:b + 1]], 1)
         ref, _ = attention_ref(q[b:b + 1].double(), keys.double(), keys[..., :512].double(),
                                softmax_scale=kw["softmax_scale"])
         base, _ = attention_ref(q[b:b + 1], keys, keys[..., :512], softmax_scale=kw["softmax_scale"], upcast=False)
+        check_close(f"out[{b}]", out[b:b + 1], ref, base, 2)
+        check_close(f"separate[{b}]", separate[b:b + 1], ref, base, 2)
+
+
+@pytest.mark.parametrize("case", ["causal sink", "window", "alibi softcap", "leftpad", "two tokens"])
+def test_keys_major_decode_features(device, case):
+    """The keys-major decode tile (kernels/decode.py: KEYS_M; an absorbed 576/512 cache over contiguous storage at up
+    to 16 packed rows) under each mask and logit feature, against the fp64 reference: its masks, ALiBi and sink take
+    the score tile transposed. "two tokens": 8 heads x 2 query tokens packed into its 16 rows, causal."""
+    from flashtile import config
+    assert isinstance(config.decode_config(576, False, 16, True), config.KeysMajorTile)
+    batch, cap = 2, 40
+    h, sq = (8, 2) if case == "two tokens" else (16, 1)
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(batch, cap, 1, 576, generator=g).to(device, torch.bfloat16)
+    q = torch.randn(batch, sq, h, 576, generator=g).to(device, torch.bfloat16)
+    seqlens = torch.tensor([37, 21], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([5, 0], dtype=torch.int32, device=device) if case == "leftpad" else None
+    kw = dict(softmax_scale=192 ** -0.5, causal=case in ("causal sink", "two tokens", "leftpad"))
+    if case == "causal sink":
+        kw["learnable_sink"] = torch.randn(h, generator=g).to(device)
+    if case == "window":
+        kw["window_size"] = (9, 0)
+    if case == "alibi softcap":
+        kw["alibi_slopes"], kw["softcap"] = (torch.rand(batch, h, generator=g) * 0.3).to(device), 3.0
+    out = flashtile.flash_attn_with_kvcache(q, cache, cache[..., :512], cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                            num_splits=3, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k != "alibi_slopes"}
+    for b in range(batch):
+        lo = 0 if leftpad is None else int(leftpad[b])
+        keys = cache[b:b + 1, lo:int(seqlens[b])]
+        if "alibi_slopes" in kw:
+            ref_kw["alibi_slopes"] = kw["alibi_slopes"][b:b + 1]
+        ref, _ = attention_ref(q[b:b + 1].double(), keys.double(), keys[..., :512].double(), **ref_kw)
+        base, _ = attention_ref(q[b:b + 1], keys, keys[..., :512], upcast=False, **ref_kw)
         check_close(f"out[{b}]", out[b:b + 1], ref, base, 2)
 
 
