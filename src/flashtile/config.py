@@ -287,13 +287,13 @@ DECODE_TABLE: dict[int, TileConfig] = {
 DECODE_WIDE: dict[int, TileConfig] = {
     1024: TileConfig(32, 64, 4, 2, _MLA),
 }
-# fp32 caches where the table's 4-byte K/V stages would not fit shared memory.
 # Absorbed MLA decode of up to 16 packed rows over a contiguous cache: keys x rows tiles, one warpgroup's wgmma
 # (M = 64 keys, N = 16 rows), two 74 KB key blocks in flight and one program an SM (168 KB of shared memory, 144
 # registers, no spill; tests/sm90_compile.py). Note [keys-major decode] in ops/decode.py.
 DECODE_KEYS_M: dict[int, KeysMajorTile] = {
     1024: KeysMajorTile(16, 64, 4, 2, _MLA_KEYS_M, programs_per_sm=1),
 }
+# fp32 caches where the table's 4-byte K/V stages would not fit shared memory.
 DECODE_FP32: dict[int, TileConfig] = {
     512: TileConfig(32, 16, 8, 2, _FP32),
     1024: TileConfig(32, 16, 8, 2, _FP32),

@@ -50,15 +50,15 @@ PAGED_EXTRA_STAGES = 2  # see decode_launch_opts
 # paged for every batch 2..64; at 1.03-1.45 waves 2.89-3.67 paged). Every split also gets at least MIN_BLOCKS_PER_SPLIT
 # key blocks so its pipeline fills, and the partial buffers are capped at MAX_SPLITS. Head dims other than 128 use the
 # same occupancy, not measured.
-# A split also reads at least PARTIAL_SHARE times the bytes of the fp32 partial state it writes, which the
-# combine reads back: binding only where a tile's rows carry a wide V, as absorbed MLA decode's 16 heads x 512
-# channels in the row-major tile (32 KB of state against 36 KB of cache a key block; paged caches since Note
-# [keys-major decode], whose 64-key blocks read 74 KB). There, at 16 sequences of 4k tokens, 32 splits of 4
-# blocks read 1.37 TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs,
-# tools/tune_decode.py --mla); at 8k, 32 splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k
-# on, or from 32 sequences, the rule leaves the wave's count. It also binds at 32 or more packed rows of any head
-# dim (GQA 8 with 4 query tokens, GQA 32 with one; d128 and 64 rows: 16 blocks) on caches short enough that the
-# blocks, not the wave, bound the splits: the same trade, not measured there.
+# A split also reads at least PARTIAL_SHARE times the bytes of the fp32 partial state it writes, which the combine reads
+# back: binding only where a tile's rows carry a wide V, as absorbed MLA decode's 16 heads x 512 channels in the
+# row-major tile (32 KB of state against 36 KB of cache a key block), which paged caches take (Note [keys-major decode]:
+# a contiguous cache's 64-key blocks read 74 KB). There, at 16 sequences of 4k tokens, 32 splits of 4 blocks read 1.37
+# TB/s and 16 splits of 8 blocks 1.59 (paged 1.32 -> 1.47; H200, CUDA graphs, tools/tune_decode.py --mla); at 8k, 32
+# splits and the 33 of one wave read the same (2.02 and 1.99), and from 16k on, or from 32 sequences, the rule leaves
+# the wave's count. It also binds at 32 or more packed rows of any head dim (GQA 8 with 4 query tokens, GQA 32 with one;
+# d128 and 64 rows: 16 blocks) on caches short enough that the blocks, not the wave, bound the splits: the same trade,
+# not measured there.
 PROGRAMS_PER_SM = 4
 REGISTERS_PER_SM = 65536  # sm_80/sm_90 register file (32-bit registers)
 MIN_MAXNREG = 128  # below this the kernel spills (d256's 8-warp tile would get 64): no maxnreg there
@@ -83,7 +83,8 @@ _SHARED_FLAGS = ("MASK_LEFT", "MASK_RIGHT", "MASK_CHUNK", "HAS_SOFTCAP", "HAS_AL
 # their state. Measured on an H100 80GB HBM3 (2026-12-08, torch 2.11, Triton 3.6, `tools/ab_trees.sh <base> 2
 # --only mla`, CUDA graphs, TB/s of cache): b16 x 4k / 8k / 32k 1.82 / 2.10 / 2.81 -> 2.01 / 2.43 / 2.93, b32 x 4k
 # 2.12 -> 2.39, b64 x 4k / 32k 2.52 / 3.06 -> 2.66 / 3.10; at b16 x 32k ncu read the DRAM at 88% of its peak (82%
-# with three loops of the kernel's masked / interior / masked blocks: a keys-major tile masks them all in one).
+# for a first version that kept the kernel's three loops, masked edge / interior / masked edge, and summed each
+# block's probabilities across the warps: 255 registers against 144).
 # Paged caches keep the row-major tile: the block table's load takes a pipeline stage of a keys-major tile's two,
 # and a third does not fit shared memory; at 64-token pages the keys-major tile was 4-11% faster at b16-b32 x
 # 4k-16k but 3-5% slower from 150 MB of cache up (b64 x 8k, b32 x 16k and more).
