@@ -273,22 +273,24 @@ def test_absorbed_decode_tiles_follow_the_packed_rows(monkeypatch):
 def test_absorbed_decode_splits_fill_one_wave(monkeypatch):
     """ops/decode.py's split heuristic for absorbed MLA decode (recorded launches, not run): at 16 heads the
     keys-major tile (one program an SM) takes one wave of 132 programs, whose 64-key blocks already read 8 times the
-    fp32 state a split writes (PARTIAL_SHARE); 128 heads and separate K and V caches take the row-major tiles,
-    where PARTIAL_SHARE binds at 16 rows of 32-key blocks."""
+    fp32 state a split writes (PARTIAL_SHARE); paged caches, 128 heads and separate K and V caches take the
+    row-major tiles, where PARTIAL_SHARE binds at 16 rows of 32-key blocks."""
     from flashtile import config
     from flashtile.ops.common import cdiv
     from flashtile.ops.decode import MIN_BLOCKS_PER_SPLIT, min_blocks_per_split
     from flashtile.ops.launch import capture_launches
     monkeypatch.setattr(config.env, "INTERPRET", False)
 
-    def splits(batch, seqlen, heads, heads_kv, dim, dim_v, absorbed):
+    def splits(batch, seqlen, heads, heads_kv, dim, dim_v, absorbed, page=0):
         q = torch.empty(batch, 1, heads, dim, dtype=torch.bfloat16)
-        k = torch.empty(batch, seqlen, heads_kv, dim, dtype=torch.bfloat16)
-        v = k[..., :dim_v] if absorbed else torch.empty(batch, seqlen, heads_kv, dim_v, dtype=torch.bfloat16)
+        rows = (batch * seqlen // page, page) if page else (batch, seqlen)
+        k = torch.empty(*rows, heads_kv, dim, dtype=torch.bfloat16)
+        v = k[..., :dim_v] if absorbed else torch.empty(*rows, heads_kv, dim_v, dtype=torch.bfloat16)
+        table = torch.arange(rows[0], dtype=torch.int32).reshape(batch, -1) if page else None
         with capture_launches(sms=132) as launches:
-            flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlen, causal=True)
+            flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlen, block_table=table, causal=True)
         (launch,) = [launch for launch in launches if launch.kernel.__name__ == "_decode_kernel"]
-        assert launch.kwargs["KEYS_M"] == (absorbed and heads <= 16)  # contiguous caches
+        assert launch.kwargs["KEYS_M"] == (absorbed and heads <= 16 and not page)
         return launch.grid[0] // cdiv(heads // heads_kv, launch.kwargs["BLOCK_M"])
 
     assert min_blocks_per_split(16, 512, 64, 576 * 2) == MIN_BLOCKS_PER_SPLIT
@@ -298,6 +300,11 @@ def test_absorbed_decode_splits_fill_one_wave(monkeypatch):
     assert splits(64, 4096, 16, 1, 576, 512, True) == 2
     assert splits(16, 4096, 128, 1, 576, 512, True) == 8  # 4 tiles of 32 rows a sequence: the wave's
     assert min_blocks_per_split(16, 512, 32, 576 * 2) == 8
+    assert min_blocks_per_split(4, 128, 64, 256 * 2) == MIN_BLOCKS_PER_SPLIT  # GQA 32/8 at d128: the floor
+    assert splits(16, 4096, 16, 1, 576, 512, True, page=64) == 16  # one wave would be 33, 4 blocks would allow 32
+    assert splits(16, 8192, 16, 1, 576, 512, True, page=64) == 32
+    assert splits(16, 16384, 16, 1, 576, 512, True, page=64) == 33  # the wave's
+    assert splits(64, 4096, 16, 1, 576, 512, True, page=64) == 8
     # V read beside K counts too: the same shapes over separate K and V need fewer blocks a split
     assert min_blocks_per_split(16, 512, 32, (576 + 512) * 2) == 4
     assert splits(16, 4096, 16, 1, 576, 512, False) == 32
